@@ -1,0 +1,39 @@
+"""skipjack: a PostgreSQL job queue for Python built on ``FOR UPDATE SKIP LOCKED``.
+
+Public API: :class:`App` (configuration, tasks, enqueue), :class:`Worker`, :class:`Backoff`,
+:func:`current_job`, and the errors.
+"""
+
+from .app import App, Task
+from .context import Job, JobContext, current_job
+from .errors import (
+    ConfigError,
+    Discard,
+    DuplicateJobError,
+    JobCancelled,
+    SchemaVersionError,
+    SkipjackError,
+    ValidationError,
+)
+from .jobs import JobSpec
+from .retry import Backoff
+from .worker import Worker, WorkerStats
+
+__all__ = [
+    "App",
+    "Backoff",
+    "ConfigError",
+    "Discard",
+    "DuplicateJobError",
+    "Job",
+    "JobCancelled",
+    "JobContext",
+    "JobSpec",
+    "SchemaVersionError",
+    "SkipjackError",
+    "Task",
+    "ValidationError",
+    "Worker",
+    "WorkerStats",
+    "current_job",
+]

@@ -1,0 +1,470 @@
+"""The application object: configuration, the task registry and enqueue (sync and async)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+import psycopg.rows
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from . import embedded
+from .errors import DuplicateJobError, ValidationError
+from .jobs import (
+    DEFAULT_MAX_ARGS_BYTES,
+    QUEUE_MAX_BYTES,
+    TASK_MAX_BYTES,
+    JobSpec,
+    check_delay,
+    check_idempotency_key,
+    check_max_attempts,
+    check_name,
+    check_priority,
+    check_run_at,
+    serialize_args,
+)
+from .migrate import check_schema, migrate
+from .queries import Queries
+from .retry import Backoff
+
+# Keepalives let a silently dropped TCP connection (no RST) fail within about 25 s.
+CONNECT_KWARGS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "application_name": "skipjack",
+}
+
+_SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def resolve_dsn(dsn: str | None = None) -> str:
+    """The DSN to use: ``dsn`` if given, else ``$SKIPJACK_DATABASE_URL``, else
+    ``$DATABASE_URL``, else the embedded server (started on demand)."""
+    return (dsn or os.environ.get("SKIPJACK_DATABASE_URL") or os.environ.get("DATABASE_URL")
+            or embedded.dsn())
+
+
+@dataclass(frozen=True)
+class Task:
+    """A registered task: a function plus its default job options.
+
+    Create tasks with :meth:`App.task`; call :meth:`configure` for per-call options. Calling
+    the task object calls the function directly (no queue involved).
+    """
+
+    app: App
+    fn: Callable[..., Any]
+    name: str
+    queue: str = "default"
+    priority: int = 0
+    max_attempts: int = 25
+    backoff: Backoff = field(default_factory=Backoff)
+    run_at: datetime | None = None
+    delay: float | None = None
+    idempotency_key: str | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def configure(
+        self,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        idempotency_key: str | None = None,
+    ) -> Task:
+        """A copy of this task with other options for the jobs it makes.
+
+        Args:
+            queue: queue name (1-63 bytes).
+            priority: -100..100, higher runs first.
+            max_attempts: 1..10,000.
+            run_at: aware datetime at which the job becomes runnable (UTC stored).
+            delay: seconds (or timedelta) from the database's ``now()`` at enqueue.
+            idempotency_key: at most one job ever exists per key; enqueueing it again
+                returns the existing job's id.
+
+        Raises:
+            ValidationError: any option out of its range (see :mod:`skipjack.jobs`).
+        """
+        changes: dict[str, Any] = {}
+        if queue is not None:
+            changes["queue"] = check_name("queue", queue, QUEUE_MAX_BYTES)
+        if priority is not None:
+            changes["priority"] = check_priority(priority)
+        if max_attempts is not None:
+            changes["max_attempts"] = check_max_attempts(max_attempts)
+        if run_at is not None:
+            changes["run_at"] = check_run_at(run_at)
+        if delay is not None:
+            changes["delay"] = check_delay(delay)
+        if idempotency_key is not None:
+            changes["idempotency_key"] = check_idempotency_key(idempotency_key)
+        if changes.get("run_at") is not None and changes.get("delay") is not None:
+            raise ValidationError("run_at", "give run_at or delay, not both")
+        return dataclasses.replace(self, **changes)
+
+    def job(self, **kwargs: Any) -> JobSpec:
+        """A validated job for this task with ``kwargs`` as its arguments (not yet enqueued).
+
+        Raises:
+            ValidationError: the arguments break a rule of :mod:`skipjack.jobs`.
+        """
+        return JobSpec(
+            queue=self.queue,
+            task=self.name,
+            args_json=serialize_args(kwargs, self.app.max_args_bytes),
+            priority=self.priority,
+            max_attempts=self.max_attempts,
+            run_at=self.run_at,
+            delay=self.delay,
+            idempotency_key=self.idempotency_key,
+        )
+
+    def enqueue(self, **kwargs: Any) -> int:
+        """Enqueue one job on the app's own connection (committed at once); returns its id."""
+        return self.app.enqueue(self.job(**kwargs))
+
+    async def enqueue_async(self, **kwargs: Any) -> int:
+        """Async :meth:`enqueue`."""
+        return await self.app.enqueue_async(self.job(**kwargs))
+
+
+class App:
+    """A skipjack application: where the jobs live and which tasks exist.
+
+    Args:
+        dsn: a libpq connection string or URI. None: ``$SKIPJACK_DATABASE_URL``, then
+            ``$DATABASE_URL``, then the embedded PostgreSQL server.
+        schema: the schema holding skipjack's tables (lower-case identifier, <= 63 bytes).
+        max_args_bytes: the limit on serialised job args, in bytes (<= 255 MiB, jsonb's own
+            limit is about 255 MB).
+
+    Raises:
+        ValidationError: bad schema name or size limit.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        schema: str = "skipjack",
+        max_args_bytes: int = DEFAULT_MAX_ARGS_BYTES,
+    ) -> None:
+        if not isinstance(schema, str) or not _SCHEMA_RE.fullmatch(schema):
+            raise ValidationError(
+                "schema", f"{schema!r} must match [a-z_][a-z0-9_]* and be at most 63 bytes"
+            )
+        if not 1 <= max_args_bytes <= 255 * 1024 * 1024:
+            raise ValidationError("max_args_bytes", "must be 1..267,386,880 bytes (255 MiB)")
+        self._dsn = dsn
+        self.schema = schema
+        self.max_args_bytes = max_args_bytes
+        self.queries = Queries(schema)
+        self.tasks: dict[str, Task] = {}
+        self._lock = threading.Lock()
+        self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
+        self._apool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+
+    # --- configuration -------------------------------------------------------------------
+
+    @property
+    def dsn(self) -> str:
+        """The resolved connection string (starts the embedded server when it is the one)."""
+        with self._lock:
+            if self._dsn is None:
+                self._dsn = resolve_dsn()
+            return self._dsn
+
+    def task(
+        self,
+        fn: Callable[..., Any] | None = None,
+        *,
+        name: str | None = None,
+        queue: str = "default",
+        priority: int = 0,
+        max_attempts: int = 25,
+        backoff: Backoff | None = None,
+    ) -> Any:
+        """Register a function as a task; usable bare (``@app.task``) or with options.
+
+        Args:
+            fn: the handler, sync or ``async def``; it is called with the job's args as
+                keyword arguments.
+            name: the task name stored with each job (default ``module.qualname``).
+            queue, priority, max_attempts: defaults for this task's jobs (see
+                :meth:`Task.configure` for the ranges).
+            backoff: retry delay policy (default :class:`skipjack.retry.Backoff()`).
+
+        Raises:
+            ValidationError: bad option, or the name is taken by another function.
+        """
+
+        def register(f: Callable[..., Any]) -> Task:
+            task_name = check_name("task", name or f"{f.__module__}.{f.__qualname__}",
+                                   TASK_MAX_BYTES)
+            task = Task(
+                app=self,
+                fn=f,
+                name=task_name,
+                queue=check_name("queue", queue, QUEUE_MAX_BYTES),
+                priority=check_priority(priority),
+                max_attempts=check_max_attempts(max_attempts),
+                backoff=backoff or Backoff(),
+            )
+            existing = self.tasks.get(task_name)
+            if existing is not None and existing.fn is not f:
+                raise ValidationError("task", f"name {task_name!r} is already registered")
+            self.tasks[task_name] = task
+            return task
+
+        return register(fn) if fn is not None else register
+
+    # --- connections ---------------------------------------------------------------------
+
+    def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
+        """A new sync connection to the app's database (autocommit unless told otherwise)."""
+        opts = {**CONNECT_KWARGS, "autocommit": True, **kwargs}
+        return psycopg.connect(self.dsn, **opts)
+
+    async def connect_async(self, **kwargs: Any) -> psycopg.AsyncConnection[Any]:
+        """A new async connection to the app's database (autocommit unless told otherwise)."""
+        opts = {**CONNECT_KWARGS, "autocommit": True, **kwargs}
+        return await psycopg.AsyncConnection.connect(self.dsn, **opts)
+
+    def _sync_pool(self) -> ConnectionPool[psycopg.Connection[Any]]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ConnectionPool(
+                    self._dsn or resolve_dsn(), min_size=1, max_size=4, open=False,
+                    kwargs={**CONNECT_KWARGS, "autocommit": True},
+                )
+                self._pool.open()
+            return self._pool
+
+    async def _async_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+        if self._apool is None:
+            pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+                self.dsn, min_size=1, max_size=4, open=False,
+                kwargs={**CONNECT_KWARGS, "autocommit": True},
+            )
+            await pool.open()
+            self._apool = pool
+        return self._apool
+
+    def close(self) -> None:
+        """Close the app's own connection pools (not connections handed to it)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    async def close_async(self) -> None:
+        """Close the async pool (and the sync one)."""
+        if self._apool is not None:
+            await self._apool.close()
+            self._apool = None
+        self.close()
+
+    def migrate(self) -> list[int]:
+        """Create or upgrade the schema; safe when many processes do it at once.
+
+        Returns the migration versions this call applied. Raises
+        :class:`SchemaVersionError` if the database is newer than this code.
+        """
+        with self.connect() as conn:
+            return migrate(conn, self.schema)
+
+    def check_schema(self) -> None:
+        """Raise :class:`SchemaVersionError` unless the schema matches this code exactly."""
+        with self.connect() as conn:
+            check_schema(conn, self.schema)
+
+    # --- enqueue -------------------------------------------------------------------------
+
+    def enqueue(self, job: JobSpec, *, conn: psycopg.Connection[Any] | None = None) -> int:
+        """Enqueue one job; returns its id. See :meth:`enqueue_many`."""
+        return self.enqueue_many([job], conn=conn)[0]
+
+    def enqueue_many(
+        self, jobs: Iterable[JobSpec], *, conn: psycopg.Connection[Any] | None = None
+    ) -> list[int]:
+        """Enqueue jobs in one statement (one round trip, whatever their number).
+
+        Args:
+            jobs: specs from :meth:`Task.job`.
+            conn: the caller's connection. The jobs then belong to the caller's transaction
+                (and savepoints): workers see them, and are woken, only at commit, and a
+                rollback removes them. Without it, the app's own connection commits at once.
+
+        Returns:
+            The job ids, in input order. A job whose idempotency key already exists gets the
+            existing job's id.
+
+        Raises:
+            DuplicateJobError: a key is held by a job this caller's snapshot cannot see.
+            psycopg.Error: the database refused or could not be reached; nothing was written.
+        """
+        specs = _as_specs(jobs)
+        if not specs:
+            return []
+        params = _enqueue_params(specs)
+        if conn is None:
+            with self._sync_pool().connection() as own:
+                return self._enqueue_on(own, specs, params)
+        return self._enqueue_on(conn, specs, params)
+
+    def _enqueue_on(
+        self, conn: psycopg.Connection[Any], specs: list[JobSpec], params: dict[str, list[Any]]
+    ) -> list[int]:
+        with conn.cursor() as cur:
+            rows = cur.execute(self.queries.ENQUEUE, params).fetchall()
+            existing: list[tuple[int, str]] = []
+            missing = _missing_keys(specs, rows)
+            if missing:
+                existing = cur.execute(self.queries.EXISTING_KEYS, {"keys": missing}).fetchall()
+        return _assign_ids(specs, rows, existing)
+
+    async def enqueue_async(
+        self, job: JobSpec, *, conn: psycopg.AsyncConnection[Any] | None = None
+    ) -> int:
+        """Async :meth:`enqueue`."""
+        return (await self.enqueue_many_async([job], conn=conn))[0]
+
+    async def enqueue_many_async(
+        self, jobs: Iterable[JobSpec], *, conn: psycopg.AsyncConnection[Any] | None = None
+    ) -> list[int]:
+        """Async :meth:`enqueue_many`; ``conn`` is the caller's async connection."""
+        specs = _as_specs(jobs)
+        if not specs:
+            return []
+        params = _enqueue_params(specs)
+        if conn is None:
+            async with (await self._async_pool()).connection() as own:
+                return await self._enqueue_on_async(own, specs, params)
+        return await self._enqueue_on_async(conn, specs, params)
+
+    async def _enqueue_on_async(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        specs: list[JobSpec],
+        params: dict[str, list[Any]],
+    ) -> list[int]:
+        async with conn.cursor() as cur:
+            rows = await (await cur.execute(self.queries.ENQUEUE, params)).fetchall()
+            existing: list[tuple[int, str]] = []
+            missing = _missing_keys(specs, rows)
+            if missing:
+                await cur.execute(self.queries.EXISTING_KEYS, {"keys": missing})
+                existing = await cur.fetchall()
+        return _assign_ids(specs, rows, existing)
+
+    # --- inspection ----------------------------------------------------------------------
+
+    def stats(self, discarded_limit: int = 10) -> dict[str, Any]:
+        """Queue counts for people and monitors.
+
+        Returns:
+            ``{"queues": {queue: {state: count}}, "oldest_runnable_seconds": {queue: age},
+            "discarded": [job rows, newest first]}``; ages are seconds on the database clock.
+        """
+        q = self.queries
+        with self.connect() as conn:
+            counts: dict[str, dict[str, int]] = {}
+            for queue, state, n in conn.execute(q.STATS).fetchall():
+                counts.setdefault(queue, {})[state] = n
+            oldest = dict(conn.execute(q.OLDEST_RUNNABLE).fetchall())
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            discarded = cur.execute(q.LIST_JOBS, {"state": "discarded", "queue": None,
+                                                  "limit": discarded_limit}).fetchall()
+        return {"queues": counts, "oldest_runnable_seconds": oldest, "discarded": discarded}
+
+    def list_jobs(self, *, state: str | None = None, queue: str | None = None,
+                  limit: int = 50) -> list[dict[str, Any]]:
+        """The newest ``limit`` jobs, optionally of one state and queue, as dicts."""
+        with self.connect() as conn:
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            return cur.execute(self.queries.LIST_JOBS,
+                               {"state": state, "queue": queue, "limit": limit}).fetchall()
+
+    def get_job(self, job_id: int) -> dict[str, Any] | None:
+        """Every column of one job, or None if there is no such job."""
+        with self.connect() as conn:
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            return cur.execute(self.queries.GET_JOB, {"id": job_id}).fetchone()
+
+    # --- dead letter ---------------------------------------------------------------------
+
+    def retry_discarded(self, ids: Sequence[int]) -> list[int]:
+        """Put discarded jobs back in their queue with a fresh set of attempts.
+
+        Returns the ids that were discarded and are now available (others are ignored).
+        """
+        with self.connect() as conn:
+            rows = conn.execute(self.queries.RETRY_DISCARDED, {"id": list(ids)}).fetchall()
+        return [r[0] for r in rows]
+
+
+def _as_specs(jobs: Iterable[JobSpec]) -> list[JobSpec]:
+    specs = list(jobs)
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, JobSpec):
+            raise ValidationError(
+                f"jobs[{i}]", f"must be a JobSpec (from Task.job()), got {type(spec).__name__}"
+            )
+    return specs
+
+
+def _enqueue_params(specs: list[JobSpec]) -> dict[str, list[Any]]:
+    return {
+        "queue": [s.queue for s in specs],
+        "task": [s.task for s in specs],
+        "args": [s.args_json for s in specs],
+        "priority": [s.priority for s in specs],
+        "max_attempts": [s.max_attempts for s in specs],
+        "run_at": [s.run_at for s in specs],
+        "delay": [s.delay for s in specs],
+        "idempotency_key": [s.idempotency_key for s in specs],
+    }
+
+
+def _missing_keys(specs: list[JobSpec], rows: list[tuple[int, str | None]]) -> list[str]:
+    inserted = {key for _, key in rows if key is not None}
+    return sorted({s.idempotency_key for s in specs
+                   if s.idempotency_key is not None and s.idempotency_key not in inserted})
+
+
+def _assign_ids(
+    specs: list[JobSpec],
+    rows: list[tuple[int, str | None]],
+    existing: list[tuple[int, str]],
+) -> list[int]:
+    """Map returned rows back to input order: keyed jobs by key, the rest by id order
+    (rows were inserted in input order, so their identity values ascend with it)."""
+    by_key = {key: job_id for job_id, key in existing}
+    by_key.update({key: job_id for job_id, key in rows if key is not None})
+    unkeyed = iter(sorted(job_id for job_id, key in rows if key is None))
+    ids = []
+    for spec in specs:
+        if spec.idempotency_key is None:
+            ids.append(next(unkeyed))
+        elif spec.idempotency_key in by_key:
+            ids.append(by_key[spec.idempotency_key])
+        else:
+            raise DuplicateJobError(
+                f"idempotency_key {spec.idempotency_key!r} is taken by a job not visible to "
+                "this transaction (uncommitted elsewhere, or committed after its snapshot)"
+            )
+    return ids

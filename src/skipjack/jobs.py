@@ -1,0 +1,223 @@
+"""Jobs as data: the validated spec of a job to enqueue, and the limits that apply.
+
+Everything here runs before any database work, so bad input never reaches the queue.
+
+Limits (bytes are UTF-8 bytes):
+
+===================  ===========================================================
+queue                1-63 bytes, printable, no white space
+task                 1-255 bytes, printable, no white space
+args                 a dict of JSON values; at most ``max_args_bytes`` after
+                     serialisation (default 64 MiB = 67,108,864 bytes); no NaN or
+                     Infinity; no NUL (U+0000) in any string or key
+priority             integer, -100..100; higher runs first; default 0
+max_attempts         integer, 1..10,000; default 25
+run_at               an aware datetime (any zone; stored as UTC), or ``delay``
+delay                seconds (int/float) or timedelta, 0..10 years
+idempotency_key      1-255 bytes, no NUL
+===================  ===========================================================
+
+JSON values are ``dict`` (str keys), ``list``, ``tuple`` (comes back as a list), ``str``,
+``int``, ``float``, ``bool`` and ``None``. Anything else (datetime, Decimal, UUID, bytes, set,
+custom objects) is rejected: convert it yourself, so that what a handler receives is exactly
+what it was sent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from .errors import ValidationError
+
+QUEUE_MAX_BYTES = 63
+TASK_MAX_BYTES = 255
+IDEMPOTENCY_KEY_MAX_BYTES = 255
+DEFAULT_MAX_ARGS_BYTES = 64 * 1024 * 1024
+PRIORITY_MIN, PRIORITY_MAX = -100, 100
+MAX_ATTEMPTS_LIMIT = 10_000
+MAX_DELAY_SECONDS = 10 * 365.25 * 86400
+
+# A NUL escape in serialised JSON: "\u0000" preceded by an even number of backslashes
+# (an odd number means the text holds a literal backslash followed by "u0000").
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A validated job, ready to enqueue. Build it with :meth:`skipjack.Task.job`.
+
+    ``args_json`` is the serialised args (UTF-8 JSON text); ``delay`` is seconds from the
+    database's ``now()`` when ``run_at`` is None.
+    """
+
+    queue: str
+    task: str
+    args_json: str
+    priority: int = 0
+    max_attempts: int = 25
+    run_at: datetime | None = None
+    delay: float | None = None
+    idempotency_key: str | None = None
+
+
+def check_name(field: str, value: object, max_bytes: int) -> str:
+    """Validate a queue or task name. Returns it unchanged.
+
+    Raises:
+        ValidationError: not a str, empty, over ``max_bytes`` UTF-8 bytes, or containing
+            white space or unprintable characters.
+    """
+    if not isinstance(value, str):
+        raise ValidationError(field, f"must be a str, got {type(value).__name__}")
+    if not value:
+        raise ValidationError(field, "must not be empty")
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise ValidationError(field, f"{size} bytes, the limit is {max_bytes} bytes (UTF-8)")
+    if not value.isprintable() or any(c.isspace() for c in value):
+        raise ValidationError(field, f"{value!r} has white space or unprintable characters")
+    return value
+
+
+def check_priority(value: object) -> int:
+    """Raises ValidationError unless ``value`` is an int in -100..100."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValidationError("priority", f"must be an int, got {type(value).__name__}")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise ValidationError(
+            "priority", f"{value} is out of range {PRIORITY_MIN}..{PRIORITY_MAX}"
+        )
+    return value
+
+
+def check_max_attempts(value: object) -> int:
+    """Raises ValidationError unless ``value`` is an int in 1..10,000."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValidationError("max_attempts", f"must be an int, got {type(value).__name__}")
+    if not 1 <= value <= MAX_ATTEMPTS_LIMIT:
+        raise ValidationError(
+            "max_attempts", f"{value} is out of range 1..{MAX_ATTEMPTS_LIMIT}"
+        )
+    return value
+
+
+def check_run_at(value: object) -> datetime | None:
+    """Raises ValidationError for anything but None or an aware datetime."""
+    if value is None:
+        return None
+    if not isinstance(value, datetime):
+        raise ValidationError("run_at", f"must be a datetime, got {type(value).__name__}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValidationError(
+            "run_at",
+            "naive datetime: pass an aware one (e.g. datetime.now(timezone.utc)) or use delay",
+        )
+    return value
+
+
+def check_delay(value: object) -> float | None:
+    """Seconds from a number or timedelta; raises ValidationError outside 0..10 years."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ValidationError(
+            "delay", f"must be seconds or a timedelta, got {type(value).__name__}"
+        )
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_DELAY_SECONDS):
+        raise ValidationError(
+            "delay", f"{seconds!r} seconds is out of range 0..{MAX_DELAY_SECONDS:.0f}"
+        )
+    return seconds
+
+
+def check_idempotency_key(value: object) -> str | None:
+    """Raises ValidationError unless ``value`` is None or a 1-255 byte str without NUL."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValidationError("idempotency_key", f"must be a str, got {type(value).__name__}")
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if not 1 <= size <= IDEMPOTENCY_KEY_MAX_BYTES:
+        raise ValidationError(
+            "idempotency_key", f"{size} bytes, must be 1..{IDEMPOTENCY_KEY_MAX_BYTES} (UTF-8)"
+        )
+    if "\x00" in value:
+        raise ValidationError("idempotency_key", "contains NUL (U+0000)")
+    return value
+
+
+def _reject(obj: object) -> Any:
+    raise ValidationError(
+        "args",
+        f"a value of type {type(obj).__name__} is not JSON: pass only dict, list, str, "
+        "int, float, bool or None (convert datetimes, Decimals, UUIDs, bytes yourself)",
+    )
+
+
+def serialize_args(args: object, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> str:
+    """Serialise job args to compact JSON text and check every rule above.
+
+    Args:
+        args: a dict of JSON values (the keyword arguments of the task).
+        max_bytes: the size limit in UTF-8 bytes of the serialised text.
+
+    Returns:
+        The JSON text stored in the ``args`` column.
+
+    Raises:
+        ValidationError: not a dict, a non-JSON value, NaN/Infinity, NUL, invalid Unicode,
+            or over ``max_bytes``.
+    """
+    if not isinstance(args, dict):
+        raise ValidationError("args", f"must be a dict, got {type(args).__name__}")
+    for key in args:
+        if not isinstance(key, str):
+            raise ValidationError("args", f"keyword names must be str, got {key!r}")
+    try:
+        text = json.dumps(args, ensure_ascii=False, allow_nan=False, separators=(",", ":"),
+                          default=_reject)
+    except ValueError as exc:
+        if isinstance(exc, ValidationError):
+            raise
+        raise ValidationError("args", "NaN and Infinity are not JSON (jsonb refuses them)") from exc
+    except RecursionError as exc:
+        raise ValidationError("args", "nested too deeply") from exc
+    if "\\u0000" in text and _NUL_ESCAPE.search(text):
+        raise ValidationError("args", "a string or key contains NUL (U+0000), which jsonb refuses")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValidationError("args", "a string holds a lone surrogate (invalid Unicode)") from exc
+    if size > max_bytes:
+        raise ValidationError("args", f"{size} bytes serialised, the limit is {max_bytes} bytes")
+    return text
+
+
+def scrub_text(text: str) -> str:
+    """Make text safe for jsonb: NUL becomes U+FFFD, lone surrogates are replaced."""
+    return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
+def dump_result(value: object) -> str | None:
+    """Serialise a handler's return value for the ``result`` column, never failing.
+
+    JSON values are kept (NUL replaced by U+FFFD); anything else is stored as its ``repr``.
+    NaN/Infinity become their repr too. Returns None for None.
+    """
+    if value is None:
+        return None
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError):
+        text = json.dumps(scrub_text(repr(value)), ensure_ascii=False)
+    text = _NUL_ESCAPE.sub(lambda m: m.group(0)[:-6] + "\ufffd", text)
+    return scrub_text(text)

@@ -1,0 +1,264 @@
+"""Every SQL statement skipjack runs, in one place.
+
+Each statement is a template in which ``{schema}`` stands for the quoted schema name; values
+are always bound parameters (``%(name)s``), never interpolated. :class:`Queries` renders the
+templates once per schema with :mod:`psycopg.sql`.
+
+Fencing: every write about a claimed job (complete, retry, discard, release, heartbeat,
+rescue) matches ``state = 'running' AND lease_version = <token read at claim>``. A write that
+matches no row is stale: the job was rescued and re-claimed meanwhile, and nothing changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psycopg import sql
+
+# --- enqueue -------------------------------------------------------------------------------
+
+# Many jobs in one statement. Rows are inserted in array order (WITH ORDINALITY + ORDER BY),
+# so identity values grow in input order. Delays are seconds, added to the database clock.
+ENQUEUE = """
+INSERT INTO {schema}.jobs (queue, task, args, priority, max_attempts, run_at, idempotency_key)
+SELECT x.queue, x.task, x.args::jsonb, x.priority, x.max_attempts,
+       coalesce(x.run_at, now() + make_interval(secs => coalesce(x.delay, 0))),
+       x.idempotency_key
+  FROM unnest(%(queue)s::text[], %(task)s::text[], %(args)s::text[], %(priority)s::smallint[],
+              %(max_attempts)s::int[], %(run_at)s::timestamptz[], %(delay)s::float8[],
+              %(idempotency_key)s::text[])
+       WITH ORDINALITY AS x(queue, task, args, priority, max_attempts, run_at, delay,
+                            idempotency_key, ord)
+ ORDER BY x.ord
+ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+RETURNING id, idempotency_key
+"""
+
+EXISTING_KEYS = """
+SELECT id, idempotency_key FROM {schema}.jobs WHERE idempotency_key = ANY(%(keys)s::text[])
+"""
+
+# --- claim ---------------------------------------------------------------------------------
+
+# One queue per statement (an ordered index scan; `queue = ANY(...)` would need a sort).
+# Marks the jobs running, starts the lease, counts the attempt and bumps the fencing token.
+# Large args (over %(inline_bytes)s bytes stored) are not returned here; see LOAD_ARGS.
+CLAIM = """
+UPDATE {schema}.jobs AS j
+   SET state = 'running',
+       attempt = j.attempt + 1,
+       attempted_at = now(),
+       lease_expires_at = now() + make_interval(secs => %(lease)s),
+       lease_version = j.lease_version + 1,
+       worker = %(worker)s
+  FROM (SELECT id FROM {schema}.jobs
+         WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
+         ORDER BY priority DESC, run_at, id
+         LIMIT %(limit)s
+           FOR UPDATE SKIP LOCKED) AS c
+ WHERE j.id = c.id
+RETURNING j.id, j.queue, j.task,
+          CASE WHEN pg_column_size(j.args) <= %(inline_bytes)s THEN j.args END AS args,
+          j.priority, j.attempt, j.max_attempts, j.lease_version, j.created_at, j.run_at,
+          j.attempted_at, j.idempotency_key
+"""
+
+LOAD_ARGS = """
+SELECT args FROM {schema}.jobs WHERE id = %(id)s AND lease_version = %(lease_version)s
+"""
+
+# --- outcomes (fenced) ---------------------------------------------------------------------
+
+# One statement records a batch of outcomes. kind is one of
+#   'complete' -> succeeded;
+#   'retry'    -> available again after `delay` seconds, or discarded if attempts are used up;
+#   'discard'  -> discarded (dead letter) now;
+#   'release'  -> available now, the attempt not counted (shutdown, lost database).
+# Rows are matched on (id, lease_version, state = 'running'): stale outcomes change nothing
+# and are missing from RETURNING.
+RECORD_OUTCOMES = """
+UPDATE {schema}.jobs AS j
+   SET state = CASE
+                 WHEN o.kind = 'complete' THEN 'succeeded'
+                 WHEN o.kind = 'discard' THEN 'discarded'
+                 WHEN o.kind = 'release' THEN 'available'
+                 WHEN j.attempt >= j.max_attempts THEN 'discarded'
+                 ELSE 'available'
+               END,
+       attempt = CASE WHEN o.kind = 'release' THEN j.attempt - 1 ELSE j.attempt END,
+       run_at = CASE
+                  WHEN o.kind = 'retry' AND j.attempt < j.max_attempts
+                    THEN now() + make_interval(secs => o.delay)
+                  WHEN o.kind = 'release' THEN now()
+                  ELSE j.run_at
+                END,
+       finished_at = CASE
+                       WHEN o.kind IN ('complete', 'discard') THEN now()
+                       WHEN o.kind = 'retry' AND j.attempt >= j.max_attempts THEN now()
+                     END,
+       lease_expires_at = NULL,
+       worker = NULL,
+       result = o.result::jsonb,
+       errors = CASE WHEN o.error IS NULL THEN j.errors
+                     ELSE j.errors || jsonb_build_array(o.error::jsonb
+                          || jsonb_build_object('at', now(), 'worker', j.worker))
+                END
+  FROM unnest(%(id)s::bigint[], %(lease_version)s::bigint[], %(kind)s::text[],
+              %(delay)s::float8[], %(result)s::text[], %(error)s::text[])
+       AS o(id, lease_version, kind, delay, result, error)
+ WHERE j.id = o.id AND j.lease_version = o.lease_version AND j.state = 'running'
+RETURNING j.id, j.state
+"""
+
+# Renew the leases of a batch of running jobs (fenced). Ids missing from RETURNING lost
+# their lease.
+HEARTBEAT = """
+UPDATE {schema}.jobs AS j
+   SET lease_expires_at = now() + make_interval(secs => %(lease)s)
+  FROM unnest(%(id)s::bigint[], %(lease_version)s::bigint[]) AS h(id, lease_version)
+ WHERE j.id = h.id AND j.lease_version = h.lease_version AND j.state = 'running'
+RETURNING j.id
+"""
+
+# --- rescue --------------------------------------------------------------------------------
+
+# Step 1: candidates whose lease expired, with the fencing token seen now.
+RESCUE_CANDIDATES = """
+SELECT id, lease_version FROM {schema}.jobs
+ WHERE state = 'running' AND lease_expires_at < now()
+ ORDER BY lease_expires_at
+ LIMIT %(limit)s
+"""
+
+# Step 2: return them to the queue (or to the dead letter on the last attempt). Guarded by
+# the token read in step 1 and by the lease still being expired, so a completion or a new
+# claim that landed between the two steps is never overwritten. SKIP LOCKED lets many
+# rescuers and the workers' own outcome writes run at once without waiting on each other.
+RESCUE = """
+UPDATE {schema}.jobs AS j
+   SET state = CASE WHEN j.attempt >= j.max_attempts THEN 'discarded' ELSE 'available' END,
+       run_at = now(),
+       finished_at = CASE WHEN j.attempt >= j.max_attempts THEN now() END,
+       lease_expires_at = NULL,
+       worker = NULL,
+       errors = j.errors || jsonb_build_array(jsonb_build_object(
+                  'attempt', j.attempt, 'at', now(), 'worker', j.worker,
+                  'error', 'lease expired: the worker stopped renewing it (crashed or stalled)'))
+  FROM (SELECT s.id FROM {schema}.jobs AS s
+          JOIN unnest(%(id)s::bigint[], %(lease_version)s::bigint[]) AS c(id, lease_version)
+            ON s.id = c.id AND s.lease_version = c.lease_version
+         WHERE s.state = 'running' AND s.lease_expires_at < now()
+         ORDER BY s.id
+           FOR UPDATE OF s SKIP LOCKED) AS r
+ WHERE j.id = r.id
+RETURNING j.id, j.state
+"""
+
+# --- inspection and control ----------------------------------------------------------------
+
+STATS = """
+SELECT queue, state, count(*) AS jobs FROM {schema}.jobs GROUP BY queue, state ORDER BY 1, 2
+"""
+
+OLDEST_RUNNABLE = """
+SELECT queue, extract(epoch FROM now() - min(run_at))::float8 AS age_seconds
+  FROM {schema}.jobs
+ WHERE state = 'available' AND run_at <= now()
+ GROUP BY queue ORDER BY queue
+"""
+
+LIST_JOBS = """
+SELECT id, queue, task, state, attempt, max_attempts, priority, run_at, created_at,
+       finished_at, errors -> -1 AS last_error
+  FROM {schema}.jobs
+ WHERE (%(state)s::text IS NULL OR state = %(state)s)
+   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+ ORDER BY id DESC
+ LIMIT %(limit)s
+"""
+
+GET_JOB = """
+SELECT id, queue, task, args, state, attempt, max_attempts, priority, run_at, created_at,
+       attempted_at, finished_at, lease_expires_at, lease_version, worker, idempotency_key,
+       errors, result
+  FROM {schema}.jobs WHERE id = %(id)s
+"""
+
+# Re-enqueue a discarded (dead-letter) job: a fresh set of attempts, runnable now.
+RETRY_DISCARDED = """
+UPDATE {schema}.jobs
+   SET state = 'available', attempt = 0, run_at = now(), finished_at = NULL
+ WHERE id = ANY(%(id)s::bigint[]) AND state = 'discarded'
+RETURNING id
+"""
+
+# Totals over a whole run (the demo and the benchmarks): jobs that needed more than one
+# attempt, and seconds from the first enqueue to the last finish.
+RUN_SUMMARY = """
+SELECT count(*) FILTER (WHERE attempt > 1) AS retried,
+       extract(epoch FROM max(finished_at) - min(created_at))::float8 AS span_seconds
+  FROM {schema}.jobs
+"""
+
+DROP_SCHEMA = "DROP SCHEMA IF EXISTS {schema} CASCADE"
+
+SCHEMA_VERSION = """
+SELECT max(version) FROM {schema}.migrations
+"""
+
+SCHEMA_EXISTS = """
+SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = %(schema)s AND tablename = 'migrations')
+"""
+
+# --- migrations ----------------------------------------------------------------------------
+
+# Transaction-scoped: released at commit or rollback, safe through a transaction pooler.
+MIGRATION_LOCK = "SELECT pg_advisory_xact_lock(%(key)s)"
+
+CREATE_MIGRATIONS_TABLE = """
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE TABLE IF NOT EXISTS {schema}.migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+APPLIED_MIGRATIONS = "SELECT version FROM {schema}.migrations ORDER BY version"
+
+RECORD_MIGRATION = """
+INSERT INTO {schema}.migrations (version, name) VALUES (%(version)s, %(name)s)
+"""
+
+
+@dataclass(frozen=True)
+class Queries:
+    """The statements above, rendered for one schema.
+
+    Args:
+        schema: the PostgreSQL schema that holds skipjack's tables (an identifier; it is
+            quoted, never interpolated).
+    """
+
+    schema: str
+
+    def __getattr__(self, name: str) -> sql.Composed:
+        template = globals().get(name)
+        if not name.isupper() or not isinstance(template, str):
+            raise AttributeError(name)
+        composed = render(template, self.schema)
+        object.__setattr__(self, name, composed)  # cache on the instance
+        return composed
+
+
+def render(template: str, schema: str, **literals: object) -> sql.Composed:
+    """Fill ``{schema}`` with the quoted schema name and any other placeholder with a literal.
+
+    Args:
+        template: SQL text with ``{schema}`` (and optional ``{name}``) placeholders; literal
+            braces written doubled.
+        schema: the schema name, quoted with :class:`psycopg.sql.Identifier`.
+        literals: further placeholders, each rendered with :class:`psycopg.sql.Literal`.
+    """
+    values: dict[str, sql.Composable] = {k: sql.Literal(v) for k, v in literals.items()}
+    return sql.SQL(template).format(schema=sql.Identifier(schema), **values)  # type: ignore[arg-type]

@@ -1,0 +1,523 @@
+"""The worker: claims jobs, runs their handlers, and records outcomes, all fenced.
+
+Pieces, each an asyncio task on one event loop unless noted:
+
+- producer: claims up to ``batch_size`` jobs from ONE queue per statement, round-robin over
+  the worker's queues, whenever a queue may have work (a NOTIFY, the poll timer, a retry
+  timer, or a full previous batch) and slots are free;
+- executor: one task per job; ``async def`` handlers run on the loop, sync handlers in a
+  thread pool of ``concurrency`` threads;
+- completer: writes outcomes in batches (all that piled up while the previous write ran) in
+  one fenced statement, retrying on a fresh connection until the write lands;
+- listener: LISTEN on the schema's channel with a health check, reconnecting with capped
+  backoff and rescanning every queue after each (re)connect;
+- heartbeat (a thread with its own connection): renews leases and runs the rescuer.
+
+Each piece has its own connection, so handlers that exhaust the application's pool can never
+starve lease renewal or completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import traceback
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import sql
+
+from .context import Job, JobContext, set_current
+from .errors import ConfigError, Discard
+from .heartbeat import Heartbeat, Leases
+from .jobs import QUEUE_MAX_BYTES, check_name, dump_result, scrub_text
+from .migrate import channel_name
+from .reconnect import Backoff as ReconnectBackoff
+from .retry import Backoff
+
+if TYPE_CHECKING:
+    from .app import App
+
+log = logging.getLogger("skipjack.worker")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one attempt; ``kind`` is complete, retry, discard or release."""
+
+    id: int
+    lease_version: int
+    queue: str
+    kind: str
+    delay: float = 0.0
+    result: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class WorkerStats:
+    """Counters since the worker started."""
+
+    claimed: int = 0
+    succeeded: int = 0
+    retried: int = 0
+    discarded: int = 0
+    released: int = 0
+    stale_writes: int = 0  # outcome writes rejected by fencing
+    leases_lost: int = 0
+
+
+@dataclass
+class _Running:
+    job: Job
+    ctx: JobContext
+    task: asyncio.Task[None] | None = None
+    is_async: bool = False
+
+
+@dataclass
+class Worker:
+    """Runs jobs from some queues of an :class:`~skipjack.App`.
+
+    Args:
+        app: the application (task registry and database).
+        queues: queue names to serve; each is claimed with its own statement.
+        concurrency: the most jobs running at once in this process (1..10,000).
+        batch_size: the most jobs one claim takes (default: ``concurrency``).
+        lease: seconds a claim is valid without renewal. A job whose lease expires is
+            rescued (returned to the queue) by any worker.
+        heartbeat: seconds between lease renewals; must be < lease / 2 so one lost renewal
+            cannot let a live job's lease expire (default lease / 6).
+        poll_interval: seconds between polls of every queue, the fallback for lost
+            notifications (default 5).
+        rescue_interval: seconds between rescuer runs in this worker (default lease / 2).
+        shutdown_grace: seconds running jobs get to finish after SIGTERM; the rest are then
+            released back to their queue, their attempt not counted.
+        name: the worker's name stored on claimed rows (default host:pid:random). Only for
+            people: recovery never depends on it.
+
+    Raises:
+        ConfigError: a setting outside its range, or a heartbeat too slow for the lease.
+    """
+
+    app: App
+    queues: Sequence[str]
+    concurrency: int = 10
+    batch_size: int | None = None
+    lease: float = 30.0
+    heartbeat: float | None = None
+    poll_interval: float = 5.0
+    rescue_interval: float | None = None
+    shutdown_grace: float = 30.0
+    name: str = ""
+    listen_health_interval: float = 10.0
+    inline_args_bytes: int = 256 * 1024
+    stats: WorkerStats = field(default_factory=WorkerStats)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.queues, str) or not self.queues:
+            raise ConfigError("queues: give a non-empty list of queue names")
+        self.queues = [check_name("queue", q, QUEUE_MAX_BYTES) for q in dict.fromkeys(self.queues)]
+        if not 1 <= self.concurrency <= 10_000:
+            raise ConfigError(f"concurrency: {self.concurrency} is out of range 1..10000")
+        self.batch_size = self.batch_size or self.concurrency
+        if not 1 <= self.batch_size <= 10_000:
+            raise ConfigError(f"batch_size: {self.batch_size} is out of range 1..10000")
+        if not self.lease > 0:
+            raise ConfigError(f"lease: must be > 0 seconds, got {self.lease}")
+        if self.heartbeat is None:
+            self.heartbeat = self.lease / 6
+        if not 0 < self.heartbeat < self.lease / 2:
+            raise ConfigError(
+                f"heartbeat: {self.heartbeat}s cannot keep a {self.lease}s lease alive; "
+                f"it must be > 0 and < lease / 2 = {self.lease / 2}s"
+            )
+        if self.rescue_interval is None:
+            self.rescue_interval = self.lease / 2
+        for name in ("poll_interval", "rescue_interval", "listen_health_interval"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
+        if self.shutdown_grace < 0:
+            raise ConfigError(f"shutdown_grace: must be >= 0 seconds, got {self.shutdown_grace}")
+        self.name = self.name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._leases = Leases()
+        self._running: dict[int, _Running] = {}
+        self._due = dict.fromkeys(self.queues, True)
+        self._outcomes: list[Outcome] = []
+        self._writing = False
+        self._default_backoff = Backoff()
+        self._stop_requested = False
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run until SIGTERM or SIGINT, then shut down gracefully. A second signal exits at
+        once with status 1 (the jobs' leases then expire and the rescuer returns them)."""
+        asyncio.run(self._run_with_signals())
+
+    async def _run_with_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        await self.run_async()
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stop_requested:
+            log.warning("second %s: exiting now", signal.Signals(sig).name)
+            os._exit(1)
+        log.info("%s: stopping (grace %.1fs)", signal.Signals(sig).name, self.shutdown_grace)
+        self.stop()
+
+    def stop(self) -> None:
+        """Ask the worker to stop claiming and shut down (thread-safe)."""
+        loop = getattr(self, "_loop", None)
+        if loop is None:
+            self._stop_requested = True
+        else:
+            loop.call_soon_threadsafe(self._request_stop)
+
+    def _request_stop(self) -> None:
+        self._stop_requested = True
+        self._stopping.set()
+        self._wakeup.set()
+
+    async def run_async(self) -> None:
+        """Run on the current event loop until :meth:`stop` is called.
+
+        Raises:
+            SchemaVersionError: the schema is missing or of another version.
+        """
+        await asyncio.to_thread(self.app.check_schema)
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._outcome_ready = asyncio.Event()
+        self._flushed = asyncio.Event()
+        if self._stop_requested:
+            self._stopping.set()
+        self._threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skipjack-job")
+        dsn = self.app.dsn
+        heartbeat = Heartbeat(
+            lambda: self.app.connect(),
+            self.app.queries,
+            self._leases,
+            lease=self.lease,
+            interval=self.heartbeat or 1.0,
+            rescue_interval=self.rescue_interval or 1.0,
+            on_lost=lambda i, v, why: self._loop.call_soon_threadsafe(self._lease_lost, i, v, why),
+        )
+        heartbeat.start()
+        log.info("worker %s serving %s (concurrency %d) on %s", self.name,
+                 ", ".join(self.queues), self.concurrency, _safe_dsn(dsn))
+        producer = asyncio.create_task(self._produce(), name="skipjack-producer")
+        helpers = [asyncio.create_task(self._listen(), name="skipjack-listener"),
+                   asyncio.create_task(self._complete(), name="skipjack-completer")]
+        stopping = asyncio.create_task(self._stopping.wait())
+        try:
+            done, _ = await asyncio.wait([producer, stopping, *helpers],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopping and t.exception():
+                    log.error("worker component %s failed", t.get_name(), exc_info=t.exception())
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+            await self._drain()
+        finally:
+            stopping.cancel()
+            for t in helpers:
+                t.cancel()
+            await asyncio.gather(*helpers, stopping, return_exceptions=True)
+            heartbeat.stop()
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            log.info("worker %s stopped: %s", self.name, self.stats)
+
+    async def _drain(self) -> None:
+        """Let running jobs finish within the grace period, release the rest, flush."""
+        if self._running:
+            log.info("waiting up to %.1fs for %d running jobs", self.shutdown_grace,
+                     len(self._running))
+            tasks = [r.task for r in self._running.values() if r.task is not None]
+            await asyncio.wait(tasks, timeout=self.shutdown_grace)
+            for r in list(self._running.values()):
+                r.ctx.cancel("worker shutting down")
+                if r.task is not None:
+                    r.task.cancel()
+            if tasks:
+                await asyncio.wait(tasks)
+        if self._outcomes or self._writing:
+            self._outcome_ready.set()
+            try:
+                await asyncio.wait_for(self._flushed_all(), timeout=max(self.shutdown_grace, 5.0))
+            except TimeoutError:
+                log.error("could not record %d outcomes before exit; their leases will expire "
+                          "and the rescuer will return the jobs", len(self._outcomes))
+
+    async def _flushed_all(self) -> None:
+        while self._outcomes or self._writing:
+            self._flushed.clear()
+            await self._flushed.wait()
+
+    # --- producer ------------------------------------------------------------------------
+
+    def _mark_due(self, queue: str) -> None:
+        if queue in self._due:
+            self._due[queue] = True
+            self._wakeup.set()
+
+    def _mark_all_due(self) -> None:
+        for q in self._due:
+            self._due[q] = True
+        self._wakeup.set()
+
+    async def _produce(self) -> None:
+        loop = asyncio.get_running_loop()
+        conn: psycopg.AsyncConnection[Any] | None = None
+        backoff = ReconnectBackoff()
+        next_poll = loop.time() + self.poll_interval
+        start = 0
+        try:
+            while not self._stopping.is_set():
+                if loop.time() >= next_poll:
+                    self._mark_all_due()
+                    next_poll = loop.time() + self.poll_interval
+                self._wakeup.clear()
+                order = self.queues[start:] + self.queues[:start]
+                start = (start + 1) % len(self.queues)
+                for queue in order:
+                    free = self.concurrency - len(self._running)
+                    if free <= 0 or self._stopping.is_set():
+                        break
+                    if not self._due[queue]:
+                        continue
+                    want = min(free, self.batch_size or free)
+                    try:
+                        if conn is None or conn.closed:
+                            conn = await self.app.connect_async()
+                        cur = await conn.execute(self.app.queries.CLAIM, {
+                            "queue": queue, "limit": want, "lease": self.lease,
+                            "worker": self.name, "inline_bytes": self.inline_args_bytes})
+                        rows = await cur.fetchall()
+                        backoff.reset()
+                    except psycopg.Error as exc:
+                        conn = await _discard(conn)
+                        delay = backoff.next()
+                        log.warning("claim failed: %s (retrying in %.1fs)", str(exc).strip(), delay)
+                        await _sleep_unless(self._stopping, delay)
+                        self._mark_all_due()  # rescan after reconnecting
+                        break
+                    if len(rows) < want:
+                        self._due[queue] = False
+                    for row in rows:
+                        self._start(Job(*row))
+                free = self.concurrency - len(self._running)
+                if free > 0 and any(self._due.values()) or self._stopping.is_set():
+                    continue
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), max(0.0, next_poll - loop.time()))
+                except TimeoutError:
+                    pass
+        finally:
+            await _discard(conn)
+
+    def _start(self, job: Job) -> None:
+        self.stats.claimed += 1
+        ctx = JobContext(job)
+        task = self.app.tasks.get(job.task)
+        running = _Running(job, ctx, is_async=task is not None and inspect.iscoroutinefunction(task.fn))
+        self._running[job.id] = running
+        self._leases.add(job.id, job.lease_version)
+        running.task = asyncio.create_task(self._execute(running), name=f"skipjack-job-{job.id}")
+
+    # --- executor ------------------------------------------------------------------------
+
+    async def _execute(self, running: _Running) -> None:
+        job, ctx = running.job, running.ctx
+        set_current(ctx)
+        task = self.app.tasks.get(job.task)
+        backoff = task.backoff if task is not None else self._default_backoff
+        outcome: Outcome | None
+        try:
+            if task is None:
+                raise LookupError(f"unknown task {job.task!r}: no handler of that name is "
+                                  "registered in this worker's app")
+            args = job.args if job.args is not None else await self._load_args(job)
+            if running.is_async:
+                result = await task.fn(**args)
+            else:
+                call = functools.partial(contextvars.copy_context().run, task.fn, **args)
+                result = await asyncio.get_running_loop().run_in_executor(self._threads, call)
+            if ctx.cancelled.is_set():
+                outcome = self._after_cancel(job, ctx)
+            else:
+                outcome = Outcome(job.id, job.lease_version, job.queue, "complete",
+                                  result=dump_result(result))
+        except asyncio.CancelledError:
+            outcome = self._after_cancel(job, ctx)
+        except Discard as exc:
+            outcome = Outcome(job.id, job.lease_version, job.queue, "discard",
+                              error=_error_json(job, exc))
+        except Exception as exc:
+            if ctx.cancelled.is_set():
+                outcome = self._after_cancel(job, ctx)
+            else:
+                outcome = Outcome(job.id, job.lease_version, job.queue, "retry",
+                                  delay=backoff.delay(job.attempt), error=_error_json(job, exc))
+        finally:
+            self._running.pop(job.id, None)
+            self._wakeup.set()
+        if outcome is None:
+            self._leases.remove(job.id, job.lease_version)
+        else:
+            self._leases.finishing(job.id)
+            self._outcomes.append(outcome)
+            self._outcome_ready.set()
+
+    def _after_cancel(self, job: Job, ctx: JobContext) -> Outcome | None:
+        if ctx.reason.startswith("lease"):
+            return None  # the job belongs to someone else now: write nothing
+        return Outcome(job.id, job.lease_version, job.queue, "release")
+
+    async def _load_args(self, job: Job) -> dict[str, Any]:
+        async with await self.app.connect_async() as conn:
+            cur = await conn.execute(self.app.queries.LOAD_ARGS,
+                                     {"id": job.id, "lease_version": job.lease_version})
+            row = await cur.fetchone()
+        if row is None:
+            raise asyncio.CancelledError("lease lost before the args were loaded")
+        args: dict[str, Any] = row[0]
+        return args
+
+    def _lease_lost(self, job_id: int, lease_version: int, reason: str) -> None:
+        running = self._running.get(job_id)
+        if running is None or running.job.lease_version != lease_version:
+            return
+        self.stats.leases_lost += 1
+        log.warning("job %s: %s; cancelling its handler", job_id, reason)
+        running.ctx.cancel(reason)
+        if running.is_async and running.task is not None:
+            running.task.cancel()
+
+    # --- completer -----------------------------------------------------------------------
+
+    async def _complete(self) -> None:
+        conn: psycopg.AsyncConnection[Any] | None = None
+        backoff = ReconnectBackoff()
+        try:
+            while True:
+                await self._outcome_ready.wait()
+                self._outcome_ready.clear()
+                while self._outcomes:
+                    batch = sorted(self._outcomes[:1000], key=lambda o: o.id)
+                    self._writing = True
+                    try:
+                        if conn is None or conn.closed:
+                            conn = await self.app.connect_async()
+                        cur = await conn.execute(self.app.queries.RECORD_OUTCOMES, {
+                            "id": [o.id for o in batch],
+                            "lease_version": [o.lease_version for o in batch],
+                            "kind": [o.kind for o in batch],
+                            "delay": [o.delay for o in batch],
+                            "result": [o.result for o in batch],
+                            "error": [o.error for o in batch],
+                        })
+                        applied = dict(await cur.fetchall())
+                        backoff.reset()
+                    except psycopg.Error as exc:
+                        conn = await _discard(conn)
+                        delay = backoff.next()
+                        log.warning("recording %d outcomes failed: %s (retrying in %.1fs)",
+                                    len(batch), str(exc).strip(), delay)
+                        await asyncio.sleep(delay)
+                        continue
+                    finally:
+                        self._writing = False
+                    done = {o.id for o in batch}
+                    self._outcomes = [o for o in self._outcomes if o.id not in done]
+                    for o in batch:
+                        self._leases.remove(o.id, o.lease_version)
+                        self._count(o, applied.get(o.id))
+                self._flushed.set()
+        finally:
+            await _discard(conn)
+
+    def _count(self, o: Outcome, state: str | None) -> None:
+        if state is None:
+            self.stats.stale_writes += 1
+            log.warning("job %s: stale %s rejected (lease_version %s is no longer current)",
+                        o.id, o.kind, o.lease_version)
+        elif o.kind == "complete":
+            self.stats.succeeded += 1
+        elif o.kind == "release":
+            self.stats.released += 1
+        elif state == "discarded":
+            self.stats.discarded += 1
+            log.warning("job %s discarded (dead letter)", o.id)
+        else:
+            self.stats.retried += 1
+            self._loop.call_later(o.delay, self._mark_due, o.queue)
+
+    # --- listener ------------------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        backoff = ReconnectBackoff()
+        listen = sql.SQL("LISTEN {}").format(sql.Identifier(channel_name(self.app.schema)))
+        while True:
+            try:
+                async with await self.app.connect_async() as conn:
+                    await conn.execute(listen)
+                    backoff.reset()
+                    self._mark_all_due()  # anything enqueued while we were away
+                    while True:
+                        async for note in conn.notifies(timeout=self.listen_health_interval):
+                            self._mark_due(note.payload)
+                        await conn.execute("SELECT 1")  # detects a dead connection
+            except psycopg.Error as exc:
+                delay = backoff.next()
+                log.warning("listener: %s (reconnecting in %.1fs)", str(exc).strip(), delay)
+                await asyncio.sleep(delay)
+
+
+def _error_json(job: Job, exc: BaseException) -> str:
+    tb = "".join(traceback.format_exception(exc))
+    return json.dumps({
+        "attempt": job.attempt,
+        "error": scrub_text(f"{type(exc).__name__}: {exc}"),
+        "traceback": scrub_text(tb[-16_000:]),
+    }, ensure_ascii=False)
+
+
+async def _discard(conn: psycopg.AsyncConnection[Any] | None) -> None:
+    if conn is not None:
+        try:
+            await conn.close()
+        except Exception:  # closing a broken connection must not mask the real error
+            log.debug("close failed", exc_info=True)
+    return None
+
+
+async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except TimeoutError:
+        pass
+
+
+def _safe_dsn(dsn: str) -> str:
+    """The DSN without a password, for logs."""
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<dsn>"
+    info.pop("password", None)
+    return " ".join(f"{k}={v}" for k, v in info.items())

@@ -1,0 +1,68 @@
+"""Fixtures: every test runs against real PostgreSQL servers, each in a fresh schema.
+
+Servers: the embedded PostgreSQL 18 always, and the server at $SKIPJACK_TEST_LOCAL_DSN
+(default postgresql://postgres@127.0.0.1:5432/postgres) when it answers, so two major versions
+are tested. Set SKIPJACK_TEST_SERVERS=embedded (or =local) to run against one only.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from support import Server
+
+from skipjack import App
+
+LOCAL_DSN = os.environ.get("SKIPJACK_TEST_LOCAL_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+WANTED = os.environ.get("SKIPJACK_TEST_SERVERS", "embedded,local").split(",")
+
+
+def _local_available() -> bool:
+    try:
+        psycopg.connect(LOCAL_DSN, connect_timeout=3).close()
+        return True
+    except psycopg.Error:
+        return False
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    local = "available" if _local_available() else "NOT reachable (skipped)"
+    return f"skipjack servers: {WANTED}; local {LOCAL_DSN}: {local}"
+
+
+@pytest.fixture(scope="session", params=["embedded", "local"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    kind = request.param
+    if kind not in WANTED:
+        pytest.skip(f"{kind} server not selected by SKIPJACK_TEST_SERVERS")
+    if kind == "local":
+        if not _local_available():
+            pytest.skip(f"no PostgreSQL at {LOCAL_DSN}")
+        return Server("local", LOCAL_DSN)
+    os.environ.setdefault("SKIPJACK_EMBEDDED_DIR",
+                          str(Path.home() / ".cache" / "skipjack-tests" / "postgres18"))
+    from skipjack import embedded
+
+    return Server("embedded", embedded.dsn())
+
+
+@pytest.fixture
+def schema(server: Server) -> Iterator[str]:
+    name = "t_" + secrets.token_hex(6)
+    yield name
+    with server.connect() as conn:
+        conn.execute(psycopg.sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+            psycopg.sql.Identifier(name)))
+
+
+@pytest.fixture
+def app(server: Server, schema: str) -> Iterator[App]:
+    app = App(server.dsn, schema=schema)
+    app.migrate()
+    yield app
+    app.close()

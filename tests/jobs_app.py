@@ -1,0 +1,94 @@
+"""Tasks run by the worker processes of the test suite (``jobs_app:app``).
+
+The schema and DSN come from SKIPJACK_SCHEMA and SKIPJACK_DATABASE_URL. Handlers write to
+the test schema's exec_log (start/finish rows) on a connection of their own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg_pool import ConnectionPool
+
+from skipjack import App, Backoff, current_job
+
+SCHEMA = os.environ.get("SKIPJACK_SCHEMA", "skipjack")
+app = App(schema=SCHEMA)
+_local = threading.local()
+_pool: ConnectionPool[Any] | None = None
+_pool_lock = threading.Lock()
+
+
+def _conn() -> psycopg.Connection[Any]:
+    conn = getattr(_local, "conn", None)
+    if conn is None or conn.closed:
+        conn = _local.conn = app.connect()
+    return conn
+
+
+def log_event(event: str) -> None:
+    job = current_job().job
+    _conn().execute(
+        sql.SQL("INSERT INTO {}.exec_log (job_id, attempt, lease_version, worker, pid, event) "
+                "VALUES (%s, %s, %s, %s, %s, %s)").format(sql.Identifier(SCHEMA)),
+        (job.id, job.attempt, job.lease_version, "", os.getpid(), event))
+
+
+@app.task(name="sleep")
+def sleep(seconds: float = 0.0) -> None:
+    log_event("start")
+    time.sleep(seconds)
+    log_event("finish")
+
+
+@app.task(name="async_sleep")
+async def async_sleep(seconds: float = 0.0) -> None:
+    await asyncio.to_thread(log_event, "start")
+    await asyncio.sleep(seconds)
+    await asyncio.to_thread(log_event, "finish")
+
+
+@app.task(name="cpu")
+def cpu(seconds: float) -> None:
+    """Holds the GIL in a tight loop (a CPU-bound sync handler)."""
+    log_event("start")
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+    log_event("finish")
+
+
+@app.task(name="cpu_async")
+async def cpu_async(seconds: float) -> None:
+    """Blocks the event loop itself for ``seconds``."""
+    log_event("start")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    log_event("finish")
+
+
+@app.task(name="fail", max_attempts=3, backoff=Backoff(base=0.01, cap=0.05))
+def fail(message: str = "boom") -> None:
+    log_event("start")
+    raise RuntimeError(message)
+
+
+@app.task(name="pooled")
+def pooled(seconds: float) -> None:
+    """Holds a transaction on a connection of the application's own small pool."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ConnectionPool(app.dsn, min_size=1, max_size=4, open=True)
+    log_event("start")
+    with _pool.connection() as conn, conn.transaction():
+        conn.execute("SELECT pg_sleep(%s)", [seconds])
+    log_event("finish")

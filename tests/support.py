@@ -1,0 +1,135 @@
+"""Test helpers: the server under test, waiting on conditions, real worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import sql
+
+TESTS = Path(__file__).parent
+T = TypeVar("T")
+
+
+@dataclass
+class Server:
+    """A PostgreSQL server the suite runs against."""
+
+    kind: str  # "embedded" or "local"
+    dsn: str
+
+    def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.dsn, autocommit=True, **kwargs)
+
+    def restart(self) -> None:
+        """Restart the server with a fast shutdown (every session is cut)."""
+        if self.kind == "embedded":
+            from skipjack import embedded
+
+            embedded.run_pg_ctl("restart")
+        else:
+            version = sorted(os.listdir("/etc/postgresql"))[-1]
+            subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main",
+                            "restart", "-m", "fast"], check=True, capture_output=True, timeout=120)
+        wait_until(self._answers, timeout=60, what="server back after restart")
+
+    def _answers(self) -> bool:
+        try:
+            self.connect(connect_timeout=2).close()
+            return True
+        except psycopg.OperationalError:
+            return False
+
+
+def wait_until(condition: Callable[[], T], timeout: float = 30, interval: float = 0.05,
+               what: str = "condition") -> T:
+    """Poll ``condition`` until it returns a truthy value; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def query(dsn: str, statement: str, params: Any = None, schema: str | None = None) -> list[Any]:
+    """Run one statement on a fresh connection; ``{schema}`` in it is the quoted schema."""
+    text: Any = sql.SQL(statement).format(schema=sql.Identifier(schema)) if schema else statement
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(text, params)
+        return cur.fetchall() if cur.description else []
+
+
+def states(dsn: str, schema: str) -> dict[str, int]:
+    rows = query(dsn, "SELECT state, count(*) FROM {schema}.jobs GROUP BY state", schema=schema)
+    return dict(rows)
+
+
+def create_log_tables(dsn: str, schema: str) -> None:
+    """exec_log: one row per handler start and finish; effects: unique per job."""
+    query(dsn, """
+        CREATE TABLE {schema}.exec_log (
+            job_id bigint, attempt int, lease_version bigint, worker text, pid int,
+            event text, at timestamptz DEFAULT clock_timestamp());
+        CREATE TABLE {schema}.effects (job_id bigint PRIMARY KEY);
+    """, schema=schema)
+
+
+def exec_counts(dsn: str, schema: str, event: str = "start") -> dict[int, int]:
+    rows = query(dsn, "SELECT job_id, count(*) FROM {schema}.exec_log WHERE event = %s "
+                      "GROUP BY job_id", [event], schema=schema)
+    return dict(rows)
+
+
+class WorkerProcess:
+    """``python -m skipjack worker jobs_app:app`` in a real child process."""
+
+    def __init__(self, dsn: str, schema: str, queues: list[str] | None = None,
+                 *args: str, log: Path | None = None, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "skipjack", "--dsn", dsn, "--schema", schema,
+               "worker", "jobs_app:app"]
+        for q in queues or ["default"]:
+            cmd += ["--queue", q]
+        cmd += list(args)
+        self.log_path = log
+        out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+        full_env = {**os.environ, "SKIPJACK_SCHEMA": schema, "SKIPJACK_DATABASE_URL": dsn,
+                    "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=TESTS, env=full_env, stdout=out,
+                                     stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def __enter__(self) -> WorkerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.kill()

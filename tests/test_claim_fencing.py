@@ -1,0 +1,208 @@
+"""Claim order and fencing, driven through skipjack's own statements on a real server."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from support import query
+
+from skipjack import App
+from skipjack.maintenance import rescue
+
+
+def claim(app: App, queue: str = "q", limit: int = 10, lease: float = 30.0,
+          worker: str = "w") -> list[tuple[Any, ...]]:
+    with app.connect() as conn:
+        return conn.execute(app.queries.CLAIM, {
+            "queue": queue, "limit": limit, "lease": lease, "worker": worker,
+            "inline_bytes": 1 << 20}).fetchall()
+
+
+def record(app: App, job_id: int, version: int, kind: str, delay: float = 0.0,
+           error: str | None = None) -> list[tuple[int, str]]:
+    with app.connect() as conn:
+        return conn.execute(app.queries.RECORD_OUTCOMES, {
+            "id": [job_id], "lease_version": [version], "kind": [kind], "delay": [delay],
+            "result": [None], "error": [error]}).fetchall()
+
+
+def heartbeat(app: App, job_id: int, version: int) -> list[tuple[int]]:
+    with app.connect() as conn:
+        return conn.execute(app.queries.HEARTBEAT, {
+            "id": [job_id], "lease_version": [version], "lease": 30.0}).fetchall()
+
+
+def expire(app: App, job_id: int) -> None:
+    query(app.dsn, "UPDATE {schema}.jobs SET lease_expires_at = now() - interval '1 second' "
+                   "WHERE id = %s", [job_id], schema=app.schema)
+
+
+def row(app: App, job_id: int) -> dict[str, Any]:
+    job = app.get_job(job_id)
+    assert job is not None
+    return job
+
+
+def _task(app: App) -> Any:
+    @app.task(name="t", queue="q")
+    def t(**kwargs: Any) -> None:
+        pass
+
+    return t
+
+
+def test_claim_order_priority_then_run_at_then_id(app: App) -> None:
+    t = _task(app)
+    low = t.configure(priority=-5).enqueue()
+    a = t.enqueue()
+    b = t.enqueue()
+    high = t.configure(priority=10).enqueue()
+    older = t.configure(delay=0).enqueue()
+    query(app.dsn, "UPDATE {schema}.jobs SET run_at = run_at - interval '1 hour' WHERE id = %s",
+          [older], schema=app.schema)
+    future = t.configure(delay=3600).enqueue()
+    other_queue = t.configure(queue="other").enqueue()
+    claimed = [r[0] for r in claim(app)]
+    assert claimed == [high, older, a, b, low]
+    assert future not in claimed and other_queue not in claimed
+
+
+def test_claim_sets_lease_and_bumps_token(app: App) -> None:
+    job_id = _task(app).enqueue()
+    (r,) = claim(app, lease=30)
+    job = row(app, job_id)
+    assert job["state"] == "running" and job["attempt"] == 1 and job["lease_version"] == 1
+    assert job["worker"] == "w"
+    assert 29 < (job["lease_expires_at"] - job["attempted_at"]).total_seconds() <= 30
+    assert claim(app) == []  # a running job is not claimed twice
+
+
+@pytest.mark.parametrize("kind", ["complete", "retry", "discard", "release"])
+def test_fc03_stale_worker_writes_change_nothing(app: App, kind: str) -> None:
+    job_id = _task(app).enqueue()
+    claim(app, worker="A")  # A holds lease_version 1
+    expire(app, job_id)
+    with app.connect() as conn:
+        assert rescue(conn, app.queries) == [(job_id, "available")]
+    claim(app, worker="B")  # B holds lease_version 2
+    before = row(app, job_id)
+    assert record(app, job_id, 1, kind, error=json.dumps({"error": "late"})) == []
+    assert heartbeat(app, job_id, 1) == []
+    after = row(app, job_id)
+    assert after == before
+    assert after["worker"] == "B" and after["lease_version"] == 2 and after["attempt"] == 2
+    assert record(app, job_id, 2, "complete") == [(job_id, "succeeded")]
+    assert record(app, job_id, 2, "complete") == []  # exactly one terminal transition
+
+
+def test_fc01_rescue_returns_expired_jobs_by_row_only(app: App) -> None:
+    t = _task(app)
+    ids = [t.enqueue() for _ in range(10)]
+    claim(app, worker="w")
+    for job_id in ids:
+        expire(app, job_id)
+    claim(app, worker="w")  # a new worker with the same name inherits nothing
+    with app.connect() as conn:
+        rescued = rescue(conn, app.queries)
+    assert sorted(rescued) == sorted((i, "available") for i in ids)
+    job = row(app, ids[0])
+    assert job["attempt"] == 1 and job["worker"] is None
+    assert "lease expired" in job["errors"][-1]["error"]
+    assert sorted(r[0] for r in claim(app)) == ids
+    assert {row(app, i)["attempt"] for i in ids} == {2}
+
+
+def test_fc01_rescue_on_last_attempt_goes_to_dead_letter(app: App) -> None:
+    job_id = _task(app).configure(max_attempts=1).enqueue()
+    claim(app)
+    expire(app, job_id)
+    with app.connect() as conn:
+        assert rescue(conn, app.queries) == [(job_id, "discarded")]
+    job = row(app, job_id)
+    assert job["state"] == "discarded" and job["finished_at"] is not None
+    assert [j["id"] for j in app.list_jobs(state="discarded")] == [job_id]
+    assert app.retry_discarded([job_id]) == [job_id]
+    assert row(app, job_id)["state"] == "available"
+
+
+def test_rescue_leaves_live_leases_alone(app: App) -> None:
+    job_id = _task(app).enqueue()
+    claim(app, lease=30)
+    with app.connect() as conn:
+        assert rescue(conn, app.queries) == []
+    assert row(app, job_id)["state"] == "running"
+
+
+@pytest.mark.parametrize("round_", range(20))
+def test_fc02_rescuer_never_overwrites_a_completion_that_landed_after_its_read(
+        app: App, round_: int) -> None:
+    """Step 1 of the rescuer reads the expired job; the worker then completes it; step 2
+    must change nothing (it is fenced on state and the token read in step 1)."""
+    job_id = _task(app).enqueue()
+    claim(app)
+    expire(app, job_id)
+    with app.connect() as conn:
+        candidates = conn.execute(app.queries.RESCUE_CANDIDATES, {"limit": 10}).fetchall()
+        assert candidates == [(job_id, 1)]
+        if random.random() < 0.5:  # the completion lands between the two steps
+            assert record(app, job_id, 1, "complete") == [(job_id, "succeeded")]
+            done = row(app, job_id)
+            moved = conn.execute(app.queries.RESCUE, {
+                "id": [job_id], "lease_version": [1]}).fetchall()
+            assert moved == []
+            assert row(app, job_id) == done
+        else:  # or a re-claim by another worker lands there
+            query(app.dsn, "UPDATE {schema}.jobs SET lease_version = 2, "
+                           "lease_expires_at = now() + interval '30 s' WHERE id = %s",
+                  [job_id], schema=app.schema)
+            moved = conn.execute(app.queries.RESCUE, {
+                "id": [job_id], "lease_version": [1]}).fetchall()
+            assert moved == []
+            assert row(app, job_id)["state"] == "running"
+
+
+def test_retry_after_last_attempt_discards_with_error_kept(app: App) -> None:
+    job_id = _task(app).configure(max_attempts=2).enqueue()
+    claim(app)
+    err = json.dumps({"attempt": 1, "error": "RuntimeError: one"})
+    assert record(app, job_id, 1, "retry", delay=0.0, error=err) == [(job_id, "available")]
+    claim(app)
+    err = json.dumps({"attempt": 2, "error": "RuntimeError: two", "traceback": "tb"})
+    assert record(app, job_id, 2, "retry", delay=0.0, error=err) == [(job_id, "discarded")]
+    job = row(app, job_id)
+    assert [e["error"] for e in job["errors"]] == ["RuntimeError: one", "RuntimeError: two"]
+    assert job["errors"][-1]["traceback"] == "tb"
+
+
+def test_release_does_not_count_the_attempt(app: App) -> None:
+    job_id = _task(app).enqueue()
+    claim(app)
+    assert record(app, job_id, 1, "release") == [(job_id, "available")]
+    job = row(app, job_id)
+    assert job["attempt"] == 0 and job["lease_expires_at"] is None
+
+
+def test_retry_delay_is_applied_on_database_clock(app: App) -> None:
+    job_id = _task(app).enqueue()
+    claim(app)
+    record(app, job_id, 1, "retry", delay=120.0, error=json.dumps({"error": "x"}))
+    ((gap,),) = query(app.dsn, "SELECT extract(epoch FROM run_at - now()) FROM {schema}.jobs",
+                      schema=app.schema)
+    assert 110 < gap <= 120
+    assert claim(app) == []
+
+
+def test_claim_plan_uses_the_partial_index(app: App) -> None:
+    t = _task(app)
+    app.enqueue_many([t.job() for _ in range(2000)])
+    query(app.dsn, "ANALYZE {schema}.jobs", schema=app.schema)
+    with app.connect() as conn:
+        conn.execute("SET enable_seqscan = off")  # fails loudly if no index can serve it
+        plan = "\n".join(r[0] for r in conn.execute(
+            b"EXPLAIN " + app.queries.CLAIM.as_bytes(conn),
+            {"queue": "q", "limit": 10, "lease": 30.0, "worker": "w", "inline_bytes": 1}
+        ).fetchall())
+    assert "jobs_claim_idx" in plan and "Seq Scan" not in plan

@@ -1,0 +1,205 @@
+"""Enqueue: transactions, bulk, idempotency keys, wakeup notifications."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from support import query, wait_until
+
+from skipjack import App
+from skipjack.migrate import channel_name
+
+
+def _task(app: App, queue: str = "q") -> Any:
+    @app.task(name="t", queue=queue)
+    def t(**kwargs: Any) -> None:
+        pass
+
+    return t
+
+
+def _ids(app: App) -> list[int]:
+    return [r[0] for r in query(app.dsn, "SELECT id FROM {schema}.jobs ORDER BY id",
+                                schema=app.schema)]
+
+
+class CountingCursor(psycopg.Cursor[Any]):
+    executed = 0
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        CountingCursor.executed += 1
+        return super().execute(*args, **kwargs)
+
+
+def test_fc10_rollback_leaves_no_job(app: App) -> None:
+    t = _task(app)
+    with psycopg.connect(app.dsn) as conn:
+        conn.execute("SELECT 1")
+        job_id = app.enqueue(t.job(order=1), conn=conn)
+        assert job_id > 0
+        conn.rollback()
+    assert _ids(app) == []
+
+
+def test_fc10_savepoint_rollback_removes_only_the_job(app: App) -> None:
+    t = _task(app)
+    query(app.dsn, "CREATE TABLE {schema}.orders (id int)", schema=app.schema)
+    with psycopg.connect(app.dsn) as conn:
+        conn.execute(psycopg.sql.SQL("INSERT INTO {}.orders VALUES (2)").format(
+            psycopg.sql.Identifier(app.schema)))
+        with conn.transaction():  # a savepoint inside the open transaction
+            app.enqueue(t.job(order=2), conn=conn)
+            raise psycopg.Rollback()  # ROLLBACK TO SAVEPOINT
+        conn.commit()
+    assert _ids(app) == []
+    assert query(app.dsn, "SELECT id FROM {schema}.orders", schema=app.schema) == [(2,)]
+
+
+def test_fc10_job_invisible_until_commit(app: App) -> None:
+    t = _task(app)
+    with psycopg.connect(app.dsn) as conn:
+        app.enqueue(t.job(order=3), conn=conn)
+        assert _ids(app) == []  # another session sees nothing yet
+        conn.commit()
+    assert len(_ids(app)) == 1
+
+
+def test_fc10_own_connection_commits_at_once(app: App) -> None:
+    """Without conn=, enqueue is independent of any caller transaction (documented)."""
+    t = _task(app)
+    with psycopg.connect(app.dsn) as conn:
+        conn.execute("SELECT 1")  # a caller transaction is open...
+        job_id = t.enqueue(order=4)
+        assert _ids(app) == [job_id]  # ...and the job is visible at once
+        conn.rollback()
+    assert _ids(app) == [job_id]
+
+
+def test_async_enqueue_on_callers_transaction(app: App) -> None:
+    t = _task(app)
+
+    async def main() -> tuple[int, int]:
+        async with await psycopg.AsyncConnection.connect(app.dsn) as conn:
+            first = await app.enqueue_async(t.job(n=1), conn=conn)
+            await conn.rollback()
+            ids = await app.enqueue_many_async([t.job(n=2), t.job(n=3)], conn=conn)
+            await conn.commit()
+        own = await t.enqueue_async(n=4)
+        await app.close_async()
+        return first, len(ids) + (own > 0)
+
+    first, n = asyncio.run(main())
+    assert first > 0 and n == 3
+    assert len(_ids(app)) == 3
+
+
+def test_bulk_enqueue_10000_in_one_round_trip(app: App) -> None:
+    t = _task(app)
+    specs = [t.job(n=i) for i in range(10_000)]
+    CountingCursor.executed = 0
+    with psycopg.connect(app.dsn, cursor_factory=CountingCursor, autocommit=True) as conn:
+        ids = app.enqueue_many(specs, conn=conn)
+    assert CountingCursor.executed == 1
+    assert len(ids) == len(set(ids)) == 10_000
+    rows = query(app.dsn, "SELECT id, (args->>'n')::int FROM {schema}.jobs", schema=app.schema)
+    assert {job_id: n for job_id, n in rows} == {job_id: n for n, job_id in enumerate(ids)}
+
+
+def test_idempotency_key_returns_existing_job(app: App) -> None:
+    t = _task(app)
+    first = t.configure(idempotency_key="order-1").enqueue(n=1)
+    again = t.configure(idempotency_key="order-1").enqueue(n=2)
+    mixed = app.enqueue_many([t.job(n=3), t.configure(idempotency_key="order-1").job(n=4),
+                              t.configure(idempotency_key="order-2").job(n=5)])
+    assert again == first == mixed[1]
+    assert len(set(mixed)) == 3
+    assert len(_ids(app)) == 3
+
+
+def test_delay_and_run_at_use_database_clock(app: App) -> None:
+    t = _task(app)
+    later = t.configure(delay=3600).enqueue()
+    at = datetime(2030, 1, 1, 12, tzinfo=UTC)
+    fixed = t.configure(run_at=at).enqueue()
+    rows = dict(query(app.dsn, "SELECT id, run_at - created_at FROM {schema}.jobs",
+                      schema=app.schema))
+    assert timedelta(seconds=3599) < rows[later] <= timedelta(seconds=3601)
+    run_at = query(app.dsn, "SELECT run_at FROM {schema}.jobs WHERE id = %s", [fixed],
+                   schema=app.schema)[0][0]
+    assert run_at == at
+
+
+class Listener:
+    """Records every notification on the schema's channel."""
+
+    def __init__(self, app: App) -> None:
+        self.conn = psycopg.connect(app.dsn, autocommit=True)
+        self.conn.execute(psycopg.sql.SQL("LISTEN {}").format(
+            psycopg.sql.Identifier(channel_name(app.schema))))
+        self.notes: list[str] = []
+
+    def drain(self, timeout: float = 0.5) -> list[str]:
+        for note in self.conn.notifies(timeout=timeout):
+            self.notes.append(note.payload)
+        return self.notes
+
+
+def test_fc07_notifications_stay_small(app: App) -> None:
+    queue = "q" * 63
+    t = _task(app, queue=queue)
+    listener = Listener(app)
+    for size in (7_900, 8_000, 8_001, 100_000):
+        t.enqueue(s="a" * size)
+    t.enqueue(s="€" * 2_700)
+    app.enqueue_many([t.job(n=i) for i in range(10_000)])
+    notes = listener.drain()
+    assert len(notes) == 6  # one per enqueueing statement, the bulk one included
+    assert all(len(n.encode()) < 8000 and n == queue for n in notes)
+    listener.conn.close()
+
+
+def test_fc09_no_wakeup_before_commit_none_after_rollback(app: App) -> None:
+    t = _task(app)
+    listener = Listener(app)
+    with psycopg.connect(app.dsn) as conn:
+        app.enqueue(t.job(), conn=conn)
+        app.enqueue(t.job(), conn=conn)
+        assert listener.drain(0.2) == []
+        conn.commit()
+        assert listener.drain(1.0) == ["q"]  # one wakeup per queue per transaction
+        app.enqueue(t.job(), conn=conn)
+        conn.rollback()
+    assert listener.drain(0.3) == ["q"]
+    listener.conn.close()
+
+
+def test_future_job_sends_no_wakeup(app: App) -> None:
+    t = _task(app)
+    listener = Listener(app)
+    t.configure(delay=60).enqueue()
+    assert listener.drain(0.3) == []
+    listener.conn.close()
+
+
+def test_concurrent_idempotent_enqueue_gives_one_job(app: App) -> None:
+    t = _task(app)
+    results: list[int] = []
+    barrier = threading.Barrier(5)
+
+    def enqueue() -> None:
+        barrier.wait()
+        results.append(t.configure(idempotency_key="same").enqueue())
+
+    threads = [threading.Thread(target=enqueue) for _ in range(5)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wait_until(lambda: len(results) == 5, what="all enqueues")
+    assert len(set(results)) == 1
+    assert len(_ids(app)) == 1
