@@ -14,9 +14,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from support import Server
 
 from skipjack import App
+
+from support import Server
 
 LOCAL_DSN = os.environ.get("SKIPJACK_TEST_LOCAL_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 WANTED = os.environ.get("SKIPJACK_TEST_SERVERS", "embedded,local").split(",")

@@ -81,6 +81,16 @@ def fail(message: str = "boom") -> None:
     raise RuntimeError(message)
 
 
+@app.task(name="nul", max_attempts=1)
+def nul() -> str:
+    """Fails with NUL in its message, or (on a retried job) returns NUL in its result."""
+    log_event("start")
+    if current_job().job.max_attempts == 1:
+        raise RuntimeError("bad\x00byte")
+    log_event("finish")
+    return "result\x00with nul"
+
+
 @app.task(name="pooled")
 def pooled(seconds: float) -> None:
     """Holds a transaction on a connection of the application's own small pool."""

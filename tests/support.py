@@ -102,7 +102,7 @@ class WorkerProcess:
             cmd += ["--queue", q]
         cmd += list(args)
         self.log_path = log
-        out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+        out = open(log, "ab") if log else subprocess.DEVNULL
         full_env = {**os.environ, "SKIPJACK_SCHEMA": schema, "SKIPJACK_DATABASE_URL": dsn,
                     "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=TESTS, env=full_env, stdout=out,

@@ -7,10 +7,11 @@ import random
 from typing import Any
 
 import pytest
-from support import query
 
 from skipjack import App
 from skipjack.maintenance import rescue
+
+from support import query
 
 
 def claim(app: App, queue: str = "q", limit: int = 10, lease: float = 30.0,
@@ -72,7 +73,7 @@ def test_claim_order_priority_then_run_at_then_id(app: App) -> None:
 
 def test_claim_sets_lease_and_bumps_token(app: App) -> None:
     job_id = _task(app).enqueue()
-    (r,) = claim(app, lease=30)
+    assert len(claim(app, lease=30)) == 1
     job = row(app, job_id)
     assert job["state"] == "running" and job["attempt"] == 1 and job["lease_version"] == 1
     assert job["worker"] == "w"

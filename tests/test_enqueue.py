@@ -8,11 +8,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
-import pytest
-from support import query, wait_until
 
 from skipjack import App
 from skipjack.migrate import channel_name
+
+from support import query, wait_until
 
 
 def _task(app: App, queue: str = "q") -> Any:

@@ -10,10 +10,11 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from support import query
 
 from skipjack import App, Backoff, ConfigError, ValidationError, Worker
 from skipjack.jobs import DEFAULT_MAX_ARGS_BYTES, dump_result
+
+from support import query
 
 
 def _count(app: App) -> int:

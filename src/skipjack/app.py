@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, overload
 
 import psycopg
 import psycopg.rows
@@ -189,16 +189,33 @@ class App:
                 self._dsn = resolve_dsn()
             return self._dsn
 
+    @overload
+    def task(self, fn: Callable[..., Any], /) -> Task: ...
+
+    @overload
     def task(
         self,
-        fn: Callable[..., Any] | None = None,
+        fn: None = None,
+        /,
         *,
         name: str | None = None,
         queue: str = "default",
         priority: int = 0,
         max_attempts: int = 25,
         backoff: Backoff | None = None,
-    ) -> Any:
+    ) -> Callable[[Callable[..., Any]], Task]: ...
+
+    def task(
+        self,
+        fn: Callable[..., Any] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str = "default",
+        priority: int = 0,
+        max_attempts: int = 25,
+        backoff: Backoff | None = None,
+    ) -> Task | Callable[[Callable[..., Any]], Task]:
         """Register a function as a task; usable bare (``@app.task``) or with options.
 
         Args:

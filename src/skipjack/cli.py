@@ -164,7 +164,8 @@ def jobs_retry(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
 
 
 @main.command()
-@click.option("--jobs", "n_jobs", default=5000, show_default=True, type=click.IntRange(1, 1_000_000))
+@click.option("--jobs", "n_jobs", default=5000, show_default=True,
+              type=click.IntRange(1, 1_000_000))
 @click.option("--concurrency", default=32, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--fail-rate", default=0.1, show_default=True, type=click.FloatRange(0, 0.9),
               help="Share of requests the receiver answers with 429 or 500.")

