@@ -47,6 +47,18 @@ def sleep(seconds: float = 0.0) -> None:
     log_event("finish")
 
 
+@app.task(name="short_lease", lease=2.0)
+def short_lease(seconds: float = 0.0) -> None:
+    sleep(seconds)
+
+
+@app.task(name="payload")
+def payload(data: str) -> None:
+    log_event("start")
+    assert set(data) == {"a"}
+    log_event("finish")
+
+
 @app.task(name="async_sleep")
 async def async_sleep(seconds: float = 0.0) -> None:
     await asyncio.to_thread(log_event, "start")

@@ -27,7 +27,8 @@ FAST = ["--lease", "2", "--heartbeat", "0.3", "--rescue-interval", "0.5", "--pol
 def tasks(app: App) -> App:
     """The app with the worker processes' task names registered, and the log tables."""
     create_log_tables(app.dsn, app.schema)
-    for name in ("sleep", "async_sleep", "cpu", "cpu_async", "fail", "pooled", "nul"):
+    for name in ("sleep", "async_sleep", "cpu", "cpu_async", "fail", "pooled", "nul",
+                 "short_lease", "payload"):
         app.task(name=name)(lambda **kw: None)
     return app
 
@@ -153,6 +154,51 @@ def test_fc01_sigkill_on_last_attempt_goes_to_dead_letter(tasks: App, tmp_path: 
     assert "lease expired" in (tasks.get_job(job_id) or {})["errors"][-1]["error"]
 
 
+def test_fc01c_per_task_lease_rescues_long_before_the_worker_lease(tasks: App,
+                                                                   tmp_path: Path) -> None:
+    """Worker lease 1 h, but the task declares 2 s: a SIGKILLed worker's job comes back
+    after about 2 s, not 1 h."""
+    job_id = tasks.enqueue(tasks.tasks["short_lease"].configure(lease=2.0).job(seconds=60))
+    args = ["--lease", "3600", "--heartbeat", "0.3", "--rescue-interval", "0.5"]
+    w1 = WorkerProcess(tasks.dsn, tasks.schema, ["default"], *args, log=tmp_path / "w1.log")
+    wait_until(lambda: exec_counts(tasks.dsn, tasks.schema) == {job_id: 1}, timeout=30,
+               what="handler started")
+    (expiry,) = query(tasks.dsn, "SELECT lease_expires_at - attempted_at FROM {schema}.jobs",
+                      schema=tasks.schema)[0]
+    assert expiry.total_seconds() <= 2.0
+    w1.kill()
+    query(tasks.dsn, "UPDATE {schema}.jobs SET args = '{{}}'", schema=tasks.schema)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *args, log=tmp_path / "w2.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=30,
+                   what="rescued and finished")
+    assert exec_counts(tasks.dsn, tasks.schema) == {job_id: 2}
+
+
+def test_task_lease_too_short_for_heartbeat_is_refused(tasks: App, tmp_path: Path) -> None:
+    w = WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--lease", "30", "--heartbeat", "5",
+                      log=tmp_path / "w.log")
+    assert w.wait(60) == 2
+    assert "task 'short_lease': lease 2.0s cannot be kept alive by a 5.0s heartbeat" in w.log()
+
+
+def test_fc08_big_payloads_are_loaded_per_job_within_a_memory_budget(tasks: App,
+                                                                    tmp_path: Path) -> None:
+    """30 jobs of 20 MB args (compressible), batch 30: all complete, and the worker's peak
+    RSS stays far below the 30 x 20 MB the batch would take if fetched with the claim."""
+    big = tasks.tasks["payload"].job(data="a" * 20_000_000)
+    with tasks.connect() as conn:
+        for _ in range(3):
+            tasks.enqueue_many([big] * 10, conn=conn)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "30", *FAST,
+                       log=tmp_path / "w.log") as w:
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 30}, timeout=180,
+                   what="big jobs done")
+        status = Path(f"/proc/{w.pid}/status").read_text()
+    peak_kb = int(next(line.split()[1] for line in status.splitlines()
+                       if line.startswith("VmHWM")))
+    assert peak_kb < 600_000, f"peak RSS {peak_kb} kB"
+
+
 @pytest.mark.parametrize("task", ["sleep", "cpu", "cpu_async"])
 def test_fc04_heartbeat_keeps_long_jobs_single(tasks: App, tmp_path: Path, task: str) -> None:
     """A 5 s job under a 1 s lease: renewed throughout (also while the handler holds the GIL
@@ -190,7 +236,7 @@ def test_fc30_handlers_exhausting_their_pool_do_not_starve_leases(tasks: App,
 def test_worker_refuses_schema_newer_than_code(tasks: App, tmp_path: Path) -> None:
     query(tasks.dsn, "INSERT INTO {schema}.migrations (version, name) VALUES (9999, 'future')",
           schema=tasks.schema)
-    w = WorkerProcess(tasks.dsn, tasks.schema, ["default"], log=tmp_path / "w.log")
+    w = WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log")
     assert w.wait(60) == 2
     assert "newer than this skipjack" in w.log()
 
@@ -198,7 +244,7 @@ def test_worker_refuses_schema_newer_than_code(tasks: App, tmp_path: Path) -> No
 def test_fc05_listener_and_all_sessions_terminated(tasks: App, server: Server,
                                                    tmp_path: Path) -> None:
     """Poll interval 60 s: pickup must come from a re-established LISTEN."""
-    args = ["--lease", "5", "--poll-interval", "60"]
+    args = ["--lease", "5", "--heartbeat", "0.5", "--poll-interval", "60"]
     with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *args, log=tmp_path / "w.log") as w:
         first = enqueue(tasks, "sleep")
         wait_until(lambda: exec_counts(tasks.dsn, tasks.schema, "finish").keys() == set(first),
@@ -222,7 +268,7 @@ def _listeners(server: Server) -> int:
 
 def test_fc05_worker_survives_server_restart(tasks: App, server: Server,
                                              tmp_path: Path) -> None:
-    args = ["--lease", "5", "--poll-interval", "60"]
+    args = ["--lease", "5", "--heartbeat", "0.5", "--poll-interval", "60"]
     with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *args, log=tmp_path / "w.log") as w:
         before = enqueue(tasks, "sleep", 3)
         wait_until(lambda: exec_counts(tasks.dsn, tasks.schema, "finish").keys() == set(before),

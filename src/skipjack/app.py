@@ -24,6 +24,7 @@ from .jobs import (
     JobSpec,
     check_delay,
     check_idempotency_key,
+    check_lease,
     check_max_attempts,
     check_name,
     check_priority,
@@ -34,9 +35,11 @@ from .migrate import check_schema, migrate
 from .queries import Queries
 from .retry import Backoff
 
-# Keepalives let a silently dropped TCP connection (no RST) fail within about 25 s.
+# Keepalives let an idle TCP connection that silently died (no RST) fail within about 25 s;
+# tcp_user_timeout does the same for one with unacknowledged data in flight.
 CONNECT_KWARGS: dict[str, Any] = {
     "connect_timeout": 10,
+    "tcp_user_timeout": 30_000,
     "keepalives": 1,
     "keepalives_idle": 10,
     "keepalives_interval": 5,
@@ -72,6 +75,7 @@ class Task:
     run_at: datetime | None = None
     delay: float | None = None
     idempotency_key: str | None = None
+    lease: float | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -85,6 +89,7 @@ class Task:
         run_at: datetime | None = None,
         delay: float | timedelta | None = None,
         idempotency_key: str | None = None,
+        lease: float | None = None,
     ) -> Task:
         """A copy of this task with other options for the jobs it makes.
 
@@ -96,6 +101,8 @@ class Task:
             delay: seconds (or timedelta) from the database's ``now()`` at enqueue.
             idempotency_key: at most one job ever exists per key; enqueueing it again
                 returns the existing job's id.
+            lease: seconds this job's claim lasts without renewal, instead of the worker's;
+                a crashed worker's job is rescued this long after its last heartbeat.
 
         Raises:
             ValidationError: any option out of its range (see :mod:`skipjack.jobs`).
@@ -113,6 +120,8 @@ class Task:
             changes["delay"] = check_delay(delay)
         if idempotency_key is not None:
             changes["idempotency_key"] = check_idempotency_key(idempotency_key)
+        if lease is not None:
+            changes["lease"] = check_lease(lease)
         if changes.get("run_at") is not None and changes.get("delay") is not None:
             raise ValidationError("run_at", "give run_at or delay, not both")
         return dataclasses.replace(self, **changes)
@@ -132,6 +141,7 @@ class Task:
             run_at=self.run_at,
             delay=self.delay,
             idempotency_key=self.idempotency_key,
+            lease=self.lease,
         )
 
     def enqueue(self, **kwargs: Any) -> int:
@@ -203,6 +213,7 @@ class App:
         priority: int = 0,
         max_attempts: int = 25,
         backoff: Backoff | None = None,
+        lease: float | None = None,
     ) -> Callable[[Callable[..., Any]], Task]: ...
 
     def task(
@@ -215,6 +226,7 @@ class App:
         priority: int = 0,
         max_attempts: int = 25,
         backoff: Backoff | None = None,
+        lease: float | None = None,
     ) -> Task | Callable[[Callable[..., Any]], Task]:
         """Register a function as a task; usable bare (``@app.task``) or with options.
 
@@ -225,6 +237,8 @@ class App:
             queue, priority, max_attempts: defaults for this task's jobs (see
                 :meth:`Task.configure` for the ranges).
             backoff: retry delay policy (default :class:`skipjack.retry.Backoff()`).
+            lease: seconds a claim of this task's jobs lasts (default: the worker's lease);
+                it must be more than twice the worker's heartbeat interval.
 
         Raises:
             ValidationError: bad option, or the name is taken by another function.
@@ -241,6 +255,7 @@ class App:
                 priority=check_priority(priority),
                 max_attempts=check_max_attempts(max_attempts),
                 backoff=backoff or Backoff(),
+                lease=check_lease(lease),
             )
             existing = self.tasks.get(task_name)
             if existing is not None and existing.fn is not f:
@@ -454,6 +469,7 @@ def _enqueue_params(specs: list[JobSpec]) -> dict[str, list[Any]]:
         "run_at": [s.run_at for s in specs],
         "delay": [s.delay for s in specs],
         "idempotency_key": [s.idempotency_key for s in specs],
+        "lease_seconds": [s.lease for s in specs],
     }
 
 

@@ -68,9 +68,9 @@ def migrate(ctx: click.Context) -> None:
 @click.option("-c", "--concurrency", default=10, show_default=True, type=int)
 @click.option("--batch-size", default=None, type=int, help="Jobs per claim [concurrency].")
 @click.option("--lease", default=30.0, show_default=True, type=float, help="Seconds.")
-@click.option("--heartbeat", default=None, type=float, help="Seconds [lease/6].")
+@click.option("--heartbeat", default=None, type=float, help="Seconds [lease/6, at most 10].")
 @click.option("--poll-interval", default=5.0, show_default=True, type=float, help="Seconds.")
-@click.option("--rescue-interval", default=None, type=float, help="Seconds [lease/2].")
+@click.option("--rescue-interval", default=None, type=float, help="Seconds [lease/2, at most 15].")
 @click.option("--grace", default=30.0, show_default=True, type=float,
               help="Seconds running jobs get after SIGTERM.")
 @click.option("--name", default="", help="Worker name shown on claimed jobs.")

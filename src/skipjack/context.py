@@ -31,6 +31,7 @@ class Job:
     run_at: datetime
     attempted_at: datetime
     idempotency_key: str | None
+    lease: float  # seconds: the job's own lease, else the worker's
 
 
 @dataclass

@@ -30,6 +30,7 @@ class Lease:
 
     id: int
     lease_version: int
+    lease: float  # seconds
     renewed_at: float  # time.monotonic() of the last confirmed renewal (or of the claim)
     finishing: bool = False  # the handler ended; its outcome is waiting to be written
 
@@ -41,9 +42,9 @@ class Leases:
     lock: threading.Lock = field(default_factory=threading.Lock)
     by_id: dict[int, Lease] = field(default_factory=dict)
 
-    def add(self, job_id: int, lease_version: int) -> None:
+    def add(self, job_id: int, lease_version: int, lease: float) -> None:
         with self.lock:
-            self.by_id[job_id] = Lease(job_id, lease_version, time.monotonic())
+            self.by_id[job_id] = Lease(job_id, lease_version, lease, time.monotonic())
 
     def finishing(self, job_id: int) -> None:
         with self.lock:
@@ -58,7 +59,7 @@ class Leases:
 
     def snapshot(self) -> list[Lease]:
         with self.lock:
-            return [Lease(x.id, x.lease_version, x.renewed_at, x.finishing)
+            return [Lease(x.id, x.lease_version, x.lease, x.renewed_at, x.finishing)
                     for x in self.by_id.values()]
 
     def __len__(self) -> int:
@@ -74,7 +75,7 @@ class Heartbeat(threading.Thread):
         connect: opens a new autocommit connection.
         queries: the app's statements.
         leases: the shared running set.
-        lease: lease length in seconds.
+        lease: the worker's lease length in seconds (a job may carry its own).
         interval: seconds between renewals (< lease / 2, checked by the worker).
         rescue_interval: seconds between rescuer runs; 0 disables the rescuer here.
         on_lost: called (from this thread) with (job id, lease_version, reason) for a job whose
@@ -171,7 +172,7 @@ class Heartbeat(threading.Thread):
         now = time.monotonic()
         with self._leases.lock:
             expired = [x for x in self._leases.by_id.values()
-                       if not x.finishing and now - x.renewed_at > self._lease]
+                       if not x.finishing and now - x.renewed_at > x.lease]
             for x in expired:
                 del self._leases.by_id[x.id]
         for x in expired:

@@ -15,6 +15,7 @@ max_attempts         integer, 1..10,000; default 25
 run_at               an aware datetime (any zone; stored as UTC), or ``delay``
 delay                seconds (int/float) or timedelta, 0..10 years
 idempotency_key      1-255 bytes, no NUL
+lease                seconds, 0.1..604,800 (7 days); default: the worker's lease
 ===================  ===========================================================
 
 JSON values are ``dict`` (str keys), ``list``, ``tuple`` (comes back as a list), ``str``,
@@ -41,6 +42,7 @@ DEFAULT_MAX_ARGS_BYTES = 64 * 1024 * 1024
 PRIORITY_MIN, PRIORITY_MAX = -100, 100
 MAX_ATTEMPTS_LIMIT = 10_000
 MAX_DELAY_SECONDS = 10 * 365.25 * 86400
+LEASE_MIN, LEASE_MAX = 0.1, 7 * 86400.0
 
 # A NUL escape in serialised JSON: "\u0000" preceded by an even number of backslashes
 # (an odd number means the text holds a literal backslash followed by "u0000").
@@ -63,6 +65,7 @@ class JobSpec:
     run_at: datetime | None = None
     delay: float | None = None
     idempotency_key: str | None = None
+    lease: float | None = None
 
 
 def check_name(field: str, value: object, max_bytes: int) -> str:
@@ -153,6 +156,19 @@ def check_idempotency_key(value: object) -> str | None:
     if "\x00" in value:
         raise ValidationError("idempotency_key", "contains NUL (U+0000)")
     return value
+
+
+def check_lease(value: object) -> float | None:
+    """Seconds of a per-task lease; raises ValidationError outside 0.1..604,800."""
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValidationError("lease", f"must be seconds, got {type(value).__name__}")
+    if not (math.isfinite(value) and LEASE_MIN <= value <= LEASE_MAX):
+        raise ValidationError(
+            "lease", f"{value!r} seconds is out of range {LEASE_MIN}..{LEASE_MAX:.0f}"
+        )
+    return float(value)
 
 
 def _reject(obj: object) -> Any:

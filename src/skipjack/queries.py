@@ -20,15 +20,16 @@ from psycopg import sql
 # Many jobs in one statement. Rows are inserted in array order (WITH ORDINALITY + ORDER BY),
 # so identity values grow in input order. Delays are seconds, added to the database clock.
 ENQUEUE = """
-INSERT INTO {schema}.jobs (queue, task, args, priority, max_attempts, run_at, idempotency_key)
-SELECT x.queue, x.task, x.args::jsonb, x.priority, x.max_attempts,
+INSERT INTO {schema}.jobs (queue, task, args, args_bytes, priority, max_attempts, run_at,
+                           idempotency_key, lease_seconds)
+SELECT x.queue, x.task, x.args::jsonb, octet_length(x.args), x.priority, x.max_attempts,
        coalesce(x.run_at, now() + make_interval(secs => coalesce(x.delay, 0))),
-       x.idempotency_key
+       x.idempotency_key, x.lease_seconds
   FROM unnest(%(queue)s::text[], %(task)s::text[], %(args)s::text[], %(priority)s::smallint[],
               %(max_attempts)s::int[], %(run_at)s::timestamptz[], %(delay)s::float8[],
-              %(idempotency_key)s::text[])
+              %(idempotency_key)s::text[], %(lease_seconds)s::float8[])
        WITH ORDINALITY AS x(queue, task, args, priority, max_attempts, run_at, delay,
-                            idempotency_key, ord)
+                            idempotency_key, lease_seconds, ord)
  ORDER BY x.ord
 ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING id, idempotency_key
@@ -41,14 +42,15 @@ SELECT id, idempotency_key FROM {schema}.jobs WHERE idempotency_key = ANY(%(keys
 # --- claim ---------------------------------------------------------------------------------
 
 # One queue per statement (an ordered index scan; `queue = ANY(...)` would need a sort).
-# Marks the jobs running, starts the lease, counts the attempt and bumps the fencing token.
-# Large args (over %(inline_bytes)s bytes stored) are not returned here; see LOAD_ARGS.
+# Marks the jobs running, starts the lease (the job's own lease_seconds, else the worker's),
+# counts the attempt and bumps the fencing token.
+# Large args (serialised size over %(inline_bytes)s) are not returned here; see LOAD_ARGS.
 CLAIM = """
 UPDATE {schema}.jobs AS j
    SET state = 'running',
        attempt = j.attempt + 1,
        attempted_at = now(),
-       lease_expires_at = now() + make_interval(secs => %(lease)s),
+       lease_expires_at = now() + make_interval(secs => coalesce(j.lease_seconds, %(lease)s)),
        lease_version = j.lease_version + 1,
        worker = %(worker)s
   FROM (SELECT id FROM {schema}.jobs
@@ -58,9 +60,9 @@ UPDATE {schema}.jobs AS j
            FOR UPDATE SKIP LOCKED) AS c
  WHERE j.id = c.id
 RETURNING j.id, j.queue, j.task,
-          CASE WHEN pg_column_size(j.args) <= %(inline_bytes)s THEN j.args END AS args,
+          CASE WHEN j.args_bytes <= %(inline_bytes)s THEN j.args END AS args,
           j.priority, j.attempt, j.max_attempts, j.lease_version, j.created_at, j.run_at,
-          j.attempted_at, j.idempotency_key
+          j.attempted_at, j.idempotency_key, coalesce(j.lease_seconds, %(lease)s) AS lease
 """
 
 LOAD_ARGS = """
@@ -114,7 +116,7 @@ RETURNING j.id, j.state
 # their lease.
 HEARTBEAT = """
 UPDATE {schema}.jobs AS j
-   SET lease_expires_at = now() + make_interval(secs => %(lease)s)
+   SET lease_expires_at = now() + make_interval(secs => coalesce(j.lease_seconds, %(lease)s))
   FROM unnest(%(id)s::bigint[], %(lease_version)s::bigint[]) AS h(id, lease_version)
  WHERE j.id = h.id AND j.lease_version = h.lease_version AND j.state = 'running'
 RETURNING j.id

@@ -98,14 +98,19 @@ class Worker:
         lease: seconds a claim is valid without renewal. A job whose lease expires is
             rescued (returned to the queue) by any worker.
         heartbeat: seconds between lease renewals; must be < lease / 2 so one lost renewal
-            cannot let a live job's lease expire (default lease / 6).
+            cannot let a live job's lease expire (default lease / 6, at most 10).
         poll_interval: seconds between polls of every queue, the fallback for lost
             notifications (default 5).
-        rescue_interval: seconds between rescuer runs in this worker (default lease / 2).
+        rescue_interval: seconds between rescuer runs in this worker (default lease / 2, at
+            most 15).
         shutdown_grace: seconds running jobs get to finish after SIGTERM; the rest are then
             released back to their queue, their attempt not counted.
         name: the worker's name stored on claimed rows (default host:pid:random). Only for
             people: recovery never depends on it.
+        inline_args_bytes: args larger than this (serialised bytes) are not fetched by the
+            claim but loaded just before the handler runs, and at most
+            ``large_args_concurrency`` such jobs run at once, so a batch of huge payloads
+            cannot exhaust the worker's memory.
 
     Raises:
         ConfigError: a setting outside its range, or a heartbeat too slow for the lease.
@@ -123,6 +128,7 @@ class Worker:
     name: str = ""
     listen_health_interval: float = 10.0
     inline_args_bytes: int = 256 * 1024
+    large_args_concurrency: int = 4
     stats: WorkerStats = field(default_factory=WorkerStats)
 
     def __post_init__(self) -> None:
@@ -138,14 +144,14 @@ class Worker:
         if not self.lease > 0:
             raise ConfigError(f"lease: must be > 0 seconds, got {self.lease}")
         if self.heartbeat is None:
-            self.heartbeat = self.lease / 6
+            self.heartbeat = min(self.lease / 6, 10.0)
         if not 0 < self.heartbeat < self.lease / 2:
             raise ConfigError(
                 f"heartbeat: {self.heartbeat}s cannot keep a {self.lease}s lease alive; "
                 f"it must be > 0 and < lease / 2 = {self.lease / 2}s"
             )
         if self.rescue_interval is None:
-            self.rescue_interval = self.lease / 2
+            self.rescue_interval = min(self.lease / 2, 15.0)
         for name in ("poll_interval", "rescue_interval", "listen_health_interval"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
@@ -196,15 +202,22 @@ class Worker:
     async def run_async(self) -> None:
         """Run on the current event loop until :meth:`stop` is called.
 
+        Database errors never end it: every component reconnects with capped backoff.
+
         Raises:
             SchemaVersionError: the schema is missing or of another version.
+            ConfigError: a task's lease is too short for the heartbeat.
+            Exception: a worker component failed on a bug (after a graceful shutdown), so a
+                supervisor sees a non-zero exit instead of a worker that silently idles.
         """
+        self._check_task_leases()
         await asyncio.to_thread(self.app.check_schema)
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
         self._outcome_ready = asyncio.Event()
         self._flushed = asyncio.Event()
+        self._large_args = asyncio.Semaphore(self.large_args_concurrency)
         if self._stop_requested:
             self._stopping.set()
         self._threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skipjack-job")
@@ -225,12 +238,17 @@ class Worker:
         helpers = [asyncio.create_task(self._listen(), name="skipjack-listener"),
                    asyncio.create_task(self._complete(), name="skipjack-completer")]
         stopping = asyncio.create_task(self._stopping.wait())
+        failure: BaseException | None = None
         try:
             done, _ = await asyncio.wait([producer, stopping, *helpers],
                                          return_when=asyncio.FIRST_COMPLETED)
             for t in done:
-                if t is not stopping and t.exception():
-                    log.error("worker component %s failed", t.get_name(), exc_info=t.exception())
+                if t is not stopping and not (t is producer and self._stopping.is_set()
+                                              and not t.exception()):
+                    # components only end by failing: never stop silently
+                    failure = t.exception() or RuntimeError(f"{t.get_name()} ended")
+                    log.error("worker component %s failed; shutting down", t.get_name(),
+                              exc_info=failure)
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
             await self._drain()
@@ -242,6 +260,16 @@ class Worker:
             heartbeat.stop()
             self._threads.shutdown(wait=False, cancel_futures=True)
             log.info("worker %s stopped: %s", self.name, self.stats)
+        if failure is not None:
+            raise failure
+
+    def _check_task_leases(self) -> None:
+        for task in self.app.tasks.values():
+            if task.lease is not None and not task.lease > 2 * (self.heartbeat or 0):
+                raise ConfigError(
+                    f"task {task.name!r}: lease {task.lease}s cannot be kept alive by a "
+                    f"{self.heartbeat}s heartbeat; it must be > 2 x heartbeat"
+                )
 
     async def _drain(self) -> None:
         """Let running jobs finish within the grace period, release the rest, flush."""
@@ -339,7 +367,7 @@ class Worker:
         is_async = task is not None and inspect.iscoroutinefunction(task.fn)
         running = _Running(job, ctx, is_async=is_async)
         self._running[job.id] = running
-        self._leases.add(job.id, job.lease_version)
+        self._leases.add(job.id, job.lease_version, job.lease)
         running.task = asyncio.create_task(self._execute(running), name=f"skipjack-job-{job.id}")
 
     # --- executor ------------------------------------------------------------------------
@@ -354,12 +382,11 @@ class Worker:
             if task is None:
                 raise LookupError(f"unknown task {job.task!r}: no handler of that name is "
                                   "registered in this worker's app")
-            args = job.args if job.args is not None else await self._load_args(job)
-            if running.is_async:
-                result = await task.fn(**args)
+            if job.args is not None:
+                result = await self._call(running, task.fn, job.args)
             else:
-                call = functools.partial(contextvars.copy_context().run, task.fn, **args)
-                result = await asyncio.get_running_loop().run_in_executor(self._threads, call)
+                async with self._large_args:  # bounds the memory that big payloads take
+                    result = await self._call(running, task.fn, await self._load_args(job))
             if ctx.cancelled.is_set():
                 outcome = self._after_cancel(job, ctx)
             else:
@@ -385,6 +412,12 @@ class Worker:
             self._leases.finishing(job.id)
             self._outcomes.append(outcome)
             self._outcome_ready.set()
+
+    async def _call(self, running: _Running, fn: Any, args: dict[str, Any]) -> Any:
+        if running.is_async:
+            return await fn(**args)
+        call = functools.partial(contextvars.copy_context().run, fn, **args)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
 
     def _after_cancel(self, job: Job, ctx: JobContext) -> Outcome | None:
         if ctx.reason.startswith("lease"):

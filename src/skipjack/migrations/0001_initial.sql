@@ -7,6 +7,7 @@ CREATE TABLE {schema}.jobs (
     queue            text        NOT NULL,
     task             text        NOT NULL,
     args             jsonb       NOT NULL DEFAULT '{{}}',
+    args_bytes       integer     NOT NULL DEFAULT 0,  -- serialised size at enqueue
     priority         smallint    NOT NULL DEFAULT 0,
     state            text        NOT NULL DEFAULT 'available'
                      CHECK (state IN ('available', 'running', 'succeeded', 'discarded', 'cancelled')),
@@ -18,6 +19,7 @@ CREATE TABLE {schema}.jobs (
     finished_at      timestamptz,
     lease_expires_at timestamptz,
     lease_version    bigint      NOT NULL DEFAULT 0,
+    lease_seconds    double precision CHECK (lease_seconds > 0),  -- NULL: the worker's lease
     worker           text,
     idempotency_key  text,
     errors           jsonb       NOT NULL DEFAULT '[]',
