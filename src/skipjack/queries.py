@@ -75,7 +75,8 @@ SELECT args FROM {schema}.jobs WHERE id = %(id)s AND lease_version = %(lease_ver
 #   'complete' -> succeeded;
 #   'retry'    -> available again after `delay` seconds, or discarded if attempts are used up;
 #   'discard'  -> discarded (dead letter) now;
-#   'release'  -> available now, the attempt not counted (shutdown, lost database).
+#   'release'  -> available after `delay` seconds, the attempt not counted (shutdown, or the
+#                 job's own transaction lost its connection to the database).
 # Rows are matched on (id, lease_version, state = 'running'): stale outcomes change nothing
 # and are missing from RETURNING.
 RECORD_OUTCOMES = """
@@ -91,7 +92,7 @@ UPDATE {schema}.jobs AS j
        run_at = CASE
                   WHEN o.kind = 'retry' AND j.attempt < j.max_attempts
                     THEN now() + make_interval(secs => o.delay)
-                  WHEN o.kind = 'release' THEN now()
+                  WHEN o.kind = 'release' THEN now() + make_interval(secs => o.delay)
                   ELSE j.run_at
                 END,
        finished_at = CASE
@@ -210,6 +211,49 @@ SELECT max(version) FROM {schema}.migrations
 
 SCHEMA_EXISTS = """
 SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = %(schema)s AND tablename = 'migrations')
+"""
+
+# --- chaos (fault-injection audit) ---------------------------------------------------------
+
+# starts: one row per handler start; effects: one row per committed effect, deliberately
+# without a unique constraint so that a duplicate would be counted, not refused.
+CHAOS_TABLES = """
+CREATE TABLE {schema}.chaos_starts (job_id bigint NOT NULL, attempt int NOT NULL,
+    lease_version bigint NOT NULL, pid int NOT NULL, at timestamptz NOT NULL DEFAULT now());
+CREATE TABLE {schema}.chaos_effects (job_id bigint NOT NULL, pid int NOT NULL,
+    at timestamptz NOT NULL DEFAULT now())
+"""
+
+CHAOS_START = """
+INSERT INTO {schema}.chaos_starts (job_id, attempt, lease_version, pid)
+VALUES (%(job_id)s, %(attempt)s, %(lease_version)s, %(pid)s)
+"""
+
+CHAOS_EFFECT = "INSERT INTO {schema}.chaos_effects (job_id, pid) VALUES (%(job_id)s, %(pid)s)"
+
+CHAOS_AUDIT = """
+SELECT (SELECT count(*) FROM {schema}.jobs) AS rows,
+       (SELECT count(*) FROM {schema}.jobs WHERE state = 'succeeded') AS completed,
+       (SELECT count(*) FROM {schema}.jobs WHERE state = 'discarded') AS discarded,
+       (SELECT count(*) FROM {schema}.jobs
+         WHERE state = 'running' AND lease_expires_at < now()) AS stuck,
+       (SELECT coalesce(sum(n - 1), 0)::bigint
+          FROM (SELECT count(*) AS n FROM {schema}.chaos_effects GROUP BY job_id) AS e
+       ) AS duplicate_effects,
+       (SELECT count(*) FROM {schema}.jobs j WHERE state = 'succeeded' AND NOT EXISTS
+          (SELECT 1 FROM {schema}.chaos_effects e WHERE e.job_id = j.id)) AS missing_effects,
+       (SELECT count(*) - count(DISTINCT job_id) FROM {schema}.chaos_starts) AS duplicate_starts,
+       (SELECT coalesce(max(attempt), 0) FROM {schema}.jobs) AS max_attempt
+"""
+
+CHAOS_FINISHED = """
+SELECT count(*) FROM {schema}.jobs WHERE state IN ('succeeded', 'discarded')
+"""
+
+# Cut every session of one application (the workers of one chaos run), not our own.
+TERMINATE_BACKENDS = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+ WHERE application_name = %(application_name)s AND pid <> pg_backend_pid()
 """
 
 # --- migrations ----------------------------------------------------------------------------

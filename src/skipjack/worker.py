@@ -30,14 +30,17 @@ import secrets
 import signal
 import socket
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+from . import transactional
+from .app import CONNECT_KWARGS, Task
 from .context import Job, JobContext, set_current
 from .errors import ConfigError, Discard
 from .heartbeat import Heartbeat, Leases
@@ -165,6 +168,8 @@ class Worker:
         self._writing = False
         self._default_backoff = Backoff()
         self._stop_requested = False
+        self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
+        self._apool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -218,6 +223,7 @@ class Worker:
         self._outcome_ready = asyncio.Event()
         self._flushed = asyncio.Event()
         self._large_args = asyncio.Semaphore(self.large_args_concurrency)
+        await self._open_pools()
         if self._stop_requested:
             self._stopping.set()
         self._threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skipjack-job")
@@ -259,9 +265,26 @@ class Worker:
             await asyncio.gather(*helpers, stopping, return_exceptions=True)
             heartbeat.stop()
             self._threads.shutdown(wait=False, cancel_futures=True)
+            if self._apool is not None:
+                await self._apool.close()
+            if self._pool is not None:
+                await asyncio.to_thread(self._pool.close)
             log.info("worker %s stopped: %s", self.name, self.stats)
         if failure is not None:
             raise failure
+
+    async def _open_pools(self) -> None:
+        """Connections for handlers declared with transaction="complete", if any."""
+        atomic = [t for t in self.app.tasks.values() if t.transaction == "complete"]
+        if any(not inspect.iscoroutinefunction(t.fn) for t in atomic):
+            self._pool = ConnectionPool(self.app.dsn, min_size=0, max_size=self.concurrency,
+                                        kwargs=CONNECT_KWARGS, open=False)
+            await asyncio.to_thread(self._pool.open)
+        if any(inspect.iscoroutinefunction(t.fn) for t in atomic):
+            self._apool = AsyncConnectionPool(self.app.dsn, min_size=0,
+                                              max_size=self.concurrency,
+                                              kwargs=CONNECT_KWARGS, open=False)
+            await self._apool.open()
 
     def _check_task_leases(self) -> None:
         for task in self.app.tasks.values():
@@ -383,11 +406,15 @@ class Worker:
                 raise LookupError(f"unknown task {job.task!r}: no handler of that name is "
                                   "registered in this worker's app")
             if job.args is not None:
-                result = await self._call(running, task.fn, job.args)
+                result = await self._call(running, task, job.args)
             else:
                 async with self._large_args:  # bounds the memory that big payloads take
-                    result = await self._call(running, task.fn, await self._load_args(job))
-            if ctx.cancelled.is_set():
+                    result = await self._call(running, task, await self._load_args(job))
+            if task.transaction == "complete":
+                outcome = None  # recorded inside the handler's transaction
+                self._count(Outcome(job.id, job.lease_version, job.queue, "complete"),
+                            "succeeded" if result else None)
+            elif ctx.cancelled.is_set():
                 outcome = self._after_cancel(job, ctx)
             else:
                 outcome = Outcome(job.id, job.lease_version, job.queue, "complete",
@@ -400,6 +427,12 @@ class Worker:
         except Exception as exc:
             if ctx.cancelled.is_set():
                 outcome = self._after_cancel(job, ctx)
+            elif task is not None and task.transaction != "none" and _connection_lost(exc):
+                # the database went away under the job's own transaction: not the job's
+                # fault, so the attempt is not counted
+                outcome = Outcome(job.id, job.lease_version, job.queue, "release",
+                                  delay=self._default_backoff.delay(1),
+                                  error=_error_json(job, exc))
             else:
                 outcome = Outcome(job.id, job.lease_version, job.queue, "retry",
                                   delay=backoff.delay(job.attempt), error=_error_json(job, exc))
@@ -413,10 +446,31 @@ class Worker:
             self._outcomes.append(outcome)
             self._outcome_ready.set()
 
-    async def _call(self, running: _Running, fn: Any, args: dict[str, Any]) -> Any:
+    async def _call(self, running: _Running, task: Task, args: dict[str, Any]) -> Any:
+        """Run the handler; for transaction="complete" tasks, return whether the completion
+        committed (see :mod:`skipjack.transactional`), else the handler's result."""
+        fn, q, ctx = task.fn, self.app.queries, running.ctx
+        finishing = functools.partial(self._leases.finishing, ctx.job.id)
+        if task.transaction == "complete":
+            if running.is_async:
+                assert self._apool is not None
+                async with self._apool.connection() as aconn:
+                    return await transactional.run_async(aconn, q, ctx, fn, args, finishing)
+
+            pool = self._pool
+            assert pool is not None
+
+            def atomic() -> bool:
+                with pool.connection() as conn:
+                    return transactional.run_sync(conn, q, ctx, fn, args, finishing)
+
+            return await self._in_thread(atomic)
         if running.is_async:
             return await fn(**args)
-        call = functools.partial(contextvars.copy_context().run, fn, **args)
+        return await self._in_thread(functools.partial(fn, **args))
+
+    async def _in_thread(self, fn: Callable[[], Any]) -> Any:
+        call = functools.partial(contextvars.copy_context().run, fn)
         return await asyncio.get_running_loop().run_in_executor(self._threads, call)
 
     def _after_cancel(self, job: Job, ctx: JobContext) -> Outcome | None:
@@ -526,6 +580,12 @@ class Worker:
                 delay = backoff.next()
                 log.warning("listener: %s (reconnecting in %.1fs)", str(exc).strip(), delay)
                 await asyncio.sleep(delay)
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """Did the database connection itself fail (as opposed to a statement)?"""
+    return isinstance(exc, psycopg.OperationalError) and not isinstance(
+        exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
 
 
 def _error_json(job: Job, exc: BaseException) -> str:

@@ -1,0 +1,277 @@
+"""``skipjack chaos``: run a workload while injecting real faults, then audit the outcome.
+
+Worker processes (``python -m skipjack worker skipjack.chaos:app``) run ``chaos.effect`` jobs:
+each logs its start on a connection of its own, sleeps ``--duration-ms``, and writes one row to
+``chaos_effects`` in the transaction that records its fenced completion
+(``transaction="complete"``). Meanwhile the controller SIGKILLs workers and starts
+replacements, SIGSTOPs workers past their lease and resumes them, restarts PostgreSQL, and
+terminates the workers' backends. The audit counts lost, stuck and duplicated work.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from . import embedded
+from .app import CONNECT_KWARGS, App, resolve_dsn
+from .context import current_job
+
+app = App(schema=os.environ.get("SKIPJACK_SCHEMA", "skipjack_chaos"))
+_log_pool: ConnectionPool[psycopg.Connection[Any]] | None = None
+_log_lock = threading.Lock()
+
+
+def _log_start(params: dict[str, Any]) -> None:
+    """Record a start on a small pool of its own: it must survive the job's rollback."""
+    global _log_pool
+    with _log_lock:
+        if _log_pool is None:
+            _log_pool = ConnectionPool(app.dsn, min_size=1, max_size=2, kwargs=CONNECT_KWARGS,
+                                       open=True)
+    with _log_pool.connection() as conn:
+        conn.execute(app.queries.CHAOS_START, params)
+
+
+@app.task(name="chaos.effect", queue="chaos", transaction="complete")
+def effect(ms: float) -> None:
+    """Log the start, work ``ms`` milliseconds, write the effect in the completion's
+    transaction."""
+    job = current_job().job
+    _log_start({"job_id": job.id, "attempt": job.attempt, "lease_version": job.lease_version,
+                "pid": os.getpid()})
+    time.sleep(ms / 1000)
+    current_job().conn.execute(app.queries.CHAOS_EFFECT, {"job_id": job.id, "pid": os.getpid()})
+
+
+@dataclass
+class ChaosOptions:
+    """Settings of one chaos run; intervals in seconds, 0 disables a fault."""
+
+    jobs: int = 2000
+    workers: int = 4
+    concurrency: int = 16
+    duration_ms: float = 10.0
+    kill_every: float = 0.0
+    stall_every: float = 0.0
+    restart_db_every: float = 0.0
+    terminate_backends_every: float = 0.0
+    restart_cmd: str | None = None
+    lease: float = 2.0
+    seed: int | None = None
+    timeout: float = 600.0
+    schema: str = "skipjack_chaos"
+
+
+class _Workers:
+    """The worker processes of one run, each logging to its own file."""
+
+    def __init__(self, dsn: str, opts: ChaosOptions, logs: Path, app_name: str) -> None:
+        self.dsn, self.opts, self.logs = dsn, opts, logs
+        self.env = {**os.environ, "SKIPJACK_SCHEMA": opts.schema,
+                    "SKIPJACK_APPLICATION_NAME": app_name, "PYTHONUNBUFFERED": "1"}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.stalled: dict[int, float] = {}  # pid -> when to resume
+        self.started = 0
+
+    def start(self) -> None:
+        o = self.opts
+        cmd = [sys.executable, "-m", "skipjack", "--dsn", self.dsn, "--schema", o.schema,
+               "worker", "skipjack.chaos:app", "--queue", "chaos",
+               "--concurrency", str(o.concurrency), "--lease", str(o.lease),
+               "--heartbeat", str(o.lease / 6), "--rescue-interval", str(o.lease / 4),
+               "--poll-interval", "1", "--grace", "1"]
+        self.started += 1
+        out = open(self.logs / f"worker-{self.started}.log", "wb")
+        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=out,
+                                           stderr=subprocess.STDOUT))
+        out.close()
+
+    def kill_one(self, rng: random.Random) -> None:
+        # a stalled worker is left to resume, so that its stale writes meet the fence
+        victim = rng.choice([p for p in self.procs if p.pid not in self.stalled])
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        self.procs.remove(victim)
+        self.stalled.pop(victim.pid, None)
+        self.start()
+
+    def stall_one(self, rng: random.Random, seconds: float) -> None:
+        awake = [p for p in self.procs if p.pid not in self.stalled]
+        if len(awake) > 1:  # keep at least one worker making progress
+            victim = rng.choice(awake)
+            victim.send_signal(signal.SIGSTOP)
+            self.stalled[victim.pid] = time.monotonic() + seconds
+
+    def resume_due(self, everyone: bool = False) -> None:
+        now = time.monotonic()
+        for p in self.procs:
+            if p.pid in self.stalled and (everyone or self.stalled[p.pid] <= now):
+                p.send_signal(signal.SIGCONT)
+                del self.stalled[p.pid]
+
+    def stop(self) -> None:
+        self.resume_due(everyone=True)
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def count_in_logs(self, pattern: str) -> int:
+        regex = re.compile(pattern)
+        return sum(len(regex.findall(f.read_text(errors="replace")))
+                   for f in self.logs.glob("worker-*.log"))
+
+
+def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str, Any]:
+    """Run the workload with the faults of ``opts`` and return the audit.
+
+    Args:
+        dsn: database URI; None for the configured or embedded server.
+        opts: workload and fault settings.
+        echo: called with a line of progress text, or None for silence.
+
+    Returns:
+        The audit: enqueued, completed, discarded, lost, stuck, duplicate_effects,
+        missing_effects, duplicate_starts, stale_writes_rejected, leases_lost, faults
+        injected, elapsed seconds and ``ok`` (no lost, stuck, duplicate or missing effect).
+
+    Raises:
+        ValueError: a database restart is asked for on an external server without
+            ``restart_cmd``.
+    """
+    say = echo or (lambda _line: None)
+    embedded_server = dsn is None and not (os.environ.get("SKIPJACK_DATABASE_URL")
+                                           or os.environ.get("DATABASE_URL"))
+    if opts.restart_db_every and not embedded_server and not opts.restart_cmd:
+        raise ValueError("restart_db_every: an external server needs --restart-cmd "
+                         "(e.g. 'pg_ctlcluster 15 main restart -m fast')")
+    dsn = resolve_dsn(dsn)
+    rng = random.Random(opts.seed)
+    run = App(dsn, schema=opts.schema)
+    with run.connect() as conn:
+        conn.execute(run.queries.DROP_SCHEMA)
+    run.migrate()
+    with run.connect() as conn:
+        conn.execute(run.queries.CHAOS_TABLES)
+    app_name = f"skipjack-chaos-{os.getpid()}"
+    logs = Path(tempfile.mkdtemp(prefix="skipjack-chaos-"))
+    workers = _Workers(dsn, opts, logs, app_name)
+    faults = {"kills": 0, "stalls": 0, "db_restarts": 0, "backend_terminations": 0}
+    every = {"kills": opts.kill_every, "stalls": opts.stall_every,
+             "db_restarts": opts.restart_db_every,
+             "backend_terminations": opts.terminate_backends_every}
+    started = time.monotonic()
+    for _ in range(opts.workers):
+        workers.start()
+    job = effect.configure(queue="chaos")
+    specs = [job.configure(idempotency_key=f"chaos-{i}").job(ms=opts.duration_ms)
+             for i in range(opts.jobs)]  # keys make a retried enqueue safe
+    for i in range(0, len(specs), 5000):
+        _retrying(lambda chunk=specs[i:i + 5000]: run.enqueue_many(chunk))
+    say(f"enqueued {opts.jobs} jobs; {opts.workers} workers; logs in {logs}")
+    # each fault first strikes at a random point of its first interval, then at every interval
+    next_at = {k: time.monotonic() + v * rng.uniform(0.25, 1.0) for k, v in every.items() if v}
+    deadline = started + opts.timeout
+    finished = 0
+    try:
+        while time.monotonic() < deadline:
+            workers.resume_due()
+            now = time.monotonic()
+            for kind, at in list(next_at.items()):
+                if now >= at:
+                    _inject(kind, workers, rng, opts, dsn, embedded_server, app_name, say)
+                    faults[kind] += 1
+                    next_at[kind] = now + every[kind]
+            finished = _retrying(lambda: _count_finished(run), default=finished)
+            if finished >= opts.jobs:
+                break
+            time.sleep(0.05)
+    finally:
+        workers.resume_due(everyone=True)
+    say(f"finished {finished}/{opts.jobs}; waiting one lease and rescue interval")
+    time.sleep(opts.lease * 1.5)  # let rescuers act on anything a fault left behind
+    with run.connect() as conn:
+        audit = dict(zip(("rows", "completed", "discarded", "stuck", "duplicate_effects",
+                          "missing_effects", "duplicate_starts", "max_attempt"),
+                         conn.execute(run.queries.CHAOS_AUDIT).fetchone() or (), strict=True))
+    workers.stop()
+    result = {
+        "enqueued": opts.jobs,
+        "completed": audit["completed"],
+        "discarded": audit["discarded"],
+        "lost": opts.jobs - audit["completed"] - audit["discarded"],
+        "stuck": audit["stuck"],
+        "duplicate_effects": audit["duplicate_effects"],
+        "missing_effects": audit["missing_effects"],
+        "duplicate_starts": audit["duplicate_starts"],
+        "stale_writes_rejected": workers.count_in_logs(r"stale \w+ rejected"),
+        "leases_lost": workers.count_in_logs(r"lease (?:lost|expired):"),
+        "max_attempt": audit["max_attempt"],
+        "faults": faults,
+        "elapsed_s": round(time.monotonic() - started, 2),
+        "logs": str(logs),
+    }
+    result["ok"] = not (result["lost"] or result["stuck"] or result["duplicate_effects"]
+                        or result["missing_effects"])
+    run.close()
+    return result
+
+
+def _inject(kind: str, workers: _Workers, rng: random.Random, opts: ChaosOptions, dsn: str,
+            embedded_server: bool, app_name: str, say: Any) -> None:
+    if kind == "kills":
+        workers.kill_one(rng)
+    elif kind == "stalls":
+        workers.stall_one(rng, opts.lease * 2)
+    elif kind == "db_restarts":
+        say("restarting PostgreSQL")
+        if embedded_server:
+            embedded.run_pg_ctl("restart")
+        else:
+            subprocess.run(shlex.split(opts.restart_cmd or ""), check=True, timeout=120,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    elif kind == "backend_terminations":
+        _retrying(lambda: _terminate(dsn, app_name))
+
+
+def _terminate(dsn: str, app_name: str) -> None:
+    run = App(dsn)
+    with run.connect(application_name="skipjack-chaos-controller") as conn:
+        conn.execute(run.queries.TERMINATE_BACKENDS, {"application_name": app_name})
+
+
+def _count_finished(run: App) -> int:
+    with run.connect(application_name="skipjack-chaos-controller") as conn:
+        row = conn.execute(run.queries.CHAOS_FINISHED).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _retrying(fn: Any, default: Any = None, attempts: int = 100) -> Any:
+    """Call ``fn`` until the database answers (the controller rides out its own faults)."""
+    for _ in range(attempts):
+        try:
+            return fn()
+        except psycopg.OperationalError:
+            time.sleep(0.2)
+    if default is not None:
+        return default
+    return fn()
