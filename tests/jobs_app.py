@@ -103,6 +103,55 @@ def nul() -> str:
     return "result\x00with nul"
 
 
+def _write_effect(conn: Any) -> None:
+    job = current_job().job
+    conn.execute(sql.SQL("INSERT INTO {}.effect_rows (job_id, pid) VALUES (%s, %s)").format(
+        sql.Identifier(SCHEMA)), (job.id, os.getpid()))
+
+
+@app.task(name="effect", transaction="complete")
+def effect(seconds: float = 0.0) -> None:
+    """Writes its effect in the completion's transaction; sleeps only on attempt 1."""
+    log_event("start")
+    time.sleep(seconds if current_job().job.attempt == 1 else 0)
+    _write_effect(current_job().conn)
+    log_event("finish")
+
+
+@app.task(name="async_effect", transaction="complete")
+async def async_effect(seconds: float = 0.0) -> None:
+    job = current_job()
+    await asyncio.to_thread(log_event, "start")
+    await asyncio.sleep(seconds if job.job.attempt == 1 else 0)
+    await job.conn.execute(sql.SQL("INSERT INTO {}.effect_rows (job_id, pid) VALUES (%s, %s)")
+                           .format(sql.Identifier(SCHEMA)), (job.job.id, os.getpid()))
+    await asyncio.to_thread(log_event, "finish")
+
+
+@app.task(name="held_effect", transaction="claim", lease=2.0)
+def held_effect(seconds: float = 0.0) -> None:
+    """Runs inside its claim's transaction (the articles' first design)."""
+    log_event("start")
+    time.sleep(seconds if _starts() == 1 else 0)
+    _write_effect(current_job().conn)
+    log_event("finish")
+
+
+def _starts() -> int:
+    """How often this job has started (held claims roll back their attempt count)."""
+    row = _conn().execute(sql.SQL("SELECT count(*) FROM {}.exec_log WHERE job_id = %s AND "
+                                  "event = 'start'").format(sql.Identifier(SCHEMA)),
+                          [current_job().job.id]).fetchone()
+    return int(row[0]) if row else 0
+
+
+@app.task(name="slow_query")
+def slow_query(seconds: float) -> None:
+    log_event("start")
+    _conn().execute("SELECT pg_sleep(%s)", [seconds])
+    log_event("finish")
+
+
 @app.task(name="pooled")
 def pooled(seconds: float) -> None:
     """Holds a transaction on a connection of the application's own small pool."""

@@ -82,7 +82,14 @@ def create_log_tables(dsn: str, schema: str) -> None:
             job_id bigint, attempt int, lease_version bigint, worker text, pid int,
             event text, at timestamptz DEFAULT clock_timestamp());
         CREATE TABLE {schema}.effects (job_id bigint PRIMARY KEY);
+        CREATE TABLE {schema}.effect_rows (job_id bigint NOT NULL, pid int NOT NULL);
     """, schema=schema)
+
+
+def effect_counts(dsn: str, schema: str) -> dict[int, int]:
+    """Committed effects per job (effect_rows has no unique key: duplicates would show)."""
+    return dict(query(dsn, "SELECT job_id, count(*) FROM {schema}.effect_rows GROUP BY job_id",
+                      schema=schema))
 
 
 def exec_counts(dsn: str, schema: str, event: str = "start") -> dict[int, int]:

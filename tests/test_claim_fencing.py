@@ -19,7 +19,7 @@ def claim(app: App, queue: str = "q", limit: int = 10, lease: float = 30.0,
     with app.connect() as conn:
         return conn.execute(app.queries.CLAIM, {
             "queue": queue, "limit": limit, "lease": lease, "worker": worker,
-            "inline_bytes": 1 << 20}).fetchall()
+            "inline_bytes": 1 << 20, "held_tasks": [], "held": False}).fetchall()
 
 
 def record(app: App, job_id: int, version: int, kind: str, delay: float = 0.0,
@@ -204,6 +204,7 @@ def test_claim_plan_uses_the_partial_index(app: App) -> None:
         conn.execute("SET enable_seqscan = off")  # fails loudly if no index can serve it
         plan = "\n".join(r[0] for r in conn.execute(
             b"EXPLAIN " + app.queries.CLAIM.as_bytes(conn),
-            {"queue": "q", "limit": 10, "lease": 30.0, "worker": "w", "inline_bytes": 1}
+            {"queue": "q", "limit": 10, "lease": 30.0, "worker": "w", "inline_bytes": 1,
+             "held_tasks": [], "held": False}
         ).fetchall())
     assert "jobs_claim_idx" in plan and "Seq Scan" not in plan

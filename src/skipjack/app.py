@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 import threading
@@ -248,12 +249,21 @@ class App:
                 outcome is recorded afterwards. ``"complete"``: ``current_job().conn`` is a
                 connection in a transaction that also records the fenced completion, so
                 the handler's writes commit exactly once (see :mod:`skipjack.transactional`).
+                ``"claim"``: the articles' first design; the job is claimed in a transaction
+                that stays open while the handler runs (sync handlers only) and commits with
+                the outcome. No lease or rescue is involved: if the worker dies, PostgreSQL
+                rolls back and the job is available again. The handler must finish within
+                its lease: the session's ``idle_in_transaction_session_timeout`` is set to
+                it, so a stalled worker's transaction is ended by the server.
 
         Raises:
             ValidationError: bad option, or the name is taken by another function.
         """
 
         def register(f: Callable[..., Any]) -> Task:
+            if transaction == "claim" and inspect.iscoroutinefunction(f):
+                raise ValidationError("transaction", "'claim' runs sync handlers only; use "
+                                      "'complete' for an async handler")
             task_name = check_name("task", name or f"{f.__module__}.{f.__qualname__}",
                                    TASK_MAX_BYTES)
             task = Task(

@@ -171,7 +171,7 @@ def check_lease(value: object) -> float | None:
     return float(value)
 
 
-TRANSACTION_MODES = ("none", "complete")
+TRANSACTION_MODES = ("none", "complete", "claim")
 
 
 def check_transaction(value: object) -> str:

@@ -45,6 +45,8 @@ SELECT id, idempotency_key FROM {schema}.jobs WHERE idempotency_key = ANY(%(keys
 # Marks the jobs running, starts the lease (the job's own lease_seconds, else the worker's),
 # counts the attempt and bumps the fencing token.
 # Large args (serialised size over %(inline_bytes)s) are not returned here; see LOAD_ARGS.
+# held_tasks / held split lease-mode claims (held = false: every task but those) from claims
+# in an open transaction (held = true: only those), see Task.transaction = "claim".
 CLAIM = """
 UPDATE {schema}.jobs AS j
    SET state = 'running',
@@ -55,6 +57,7 @@ UPDATE {schema}.jobs AS j
        worker = %(worker)s
   FROM (SELECT id FROM {schema}.jobs
          WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
+           AND (task = ANY(%(held_tasks)s::text[])) = %(held)s
          ORDER BY priority DESC, run_at, id
          LIMIT %(limit)s
            FOR UPDATE SKIP LOCKED) AS c
@@ -63,6 +66,12 @@ RETURNING j.id, j.queue, j.task,
           CASE WHEN j.args_bytes <= %(inline_bytes)s THEN j.args END AS args,
           j.priority, j.attempt, j.max_attempts, j.lease_version, j.created_at, j.run_at,
           j.attempted_at, j.idempotency_key, coalesce(j.lease_seconds, %(lease)s) AS lease
+"""
+
+# For claims held in an open transaction: the server ends the session, rolling the claim
+# back, if the worker leaves the transaction idle longer than the job's lease.
+SET_IDLE_TIMEOUT = """
+SELECT set_config('idle_in_transaction_session_timeout', %(ms)s::text, true)
 """
 
 LOAD_ARGS = """

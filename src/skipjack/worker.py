@@ -164,6 +164,11 @@ class Worker:
         self._leases = Leases()
         self._running: dict[int, _Running] = {}
         self._due = dict.fromkeys(self._queues, True)
+        self._held_due = dict.fromkeys(self._queues, True)
+        self._held_busy = 0
+        self._held_runners: set[asyncio.Task[None]] = set()
+        self._held_names: list[str] = []
+        self._held_timeout_ms = 0
         self._outcomes: list[Outcome] = []
         self._writing = False
         self._default_backoff = Backoff()
@@ -216,6 +221,9 @@ class Worker:
                 supervisor sees a non-zero exit instead of a worker that silently idles.
         """
         self._check_task_leases()
+        held = [t for t in self.app.tasks.values() if t.transaction == "claim"]
+        self._held_names = [t.name for t in held]
+        self._held_timeout_ms = int(1000 * max([t.lease or self.lease for t in held], default=0))
         await asyncio.to_thread(self.app.check_schema)
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
@@ -274,8 +282,8 @@ class Worker:
             raise failure
 
     async def _open_pools(self) -> None:
-        """Connections for handlers declared with transaction="complete", if any."""
-        atomic = [t for t in self.app.tasks.values() if t.transaction == "complete"]
+        """Connections for handlers that run in a transaction of their own, if any."""
+        atomic = [t for t in self.app.tasks.values() if t.transaction != "none"]
         if any(not inspect.iscoroutinefunction(t.fn) for t in atomic):
             self._pool = ConnectionPool(self.app.dsn, min_size=0, max_size=self.concurrency,
                                         kwargs=CONNECT_KWARGS, open=False)
@@ -296,15 +304,18 @@ class Worker:
 
     async def _drain(self) -> None:
         """Let running jobs finish within the grace period, release the rest, flush."""
-        if self._running:
+        if self._busy():
             log.info("waiting up to %.1fs for %d running jobs", self.shutdown_grace,
-                     len(self._running))
+                     self._busy())
             tasks = [r.task for r in self._running.values() if r.task is not None]
+            tasks += self._held_runners
             await asyncio.wait(tasks, timeout=self.shutdown_grace)
             for r in list(self._running.values()):
                 r.ctx.cancel("worker shutting down")
                 if r.task is not None:
                     r.task.cancel()
+            for runner in self._held_runners:  # the process exit rolls their claims back
+                runner.cancel()
             if tasks:
                 await asyncio.wait(tasks)
         if self._outcomes or self._writing:
@@ -324,13 +335,21 @@ class Worker:
 
     def _mark_due(self, queue: str) -> None:
         if queue in self._due:
-            self._due[queue] = True
+            self._due[queue] = self._held_due[queue] = True
             self._wakeup.set()
 
     def _mark_all_due(self) -> None:
         for q in self._due:
-            self._due[q] = True
+            self._due[q] = self._held_due[q] = True
         self._wakeup.set()
+
+    def _busy(self) -> int:
+        return len(self._running) + self._held_busy
+
+    def _claim_params(self, queue: str, limit: int, held: bool) -> dict[str, Any]:
+        return {"queue": queue, "limit": limit, "lease": self.lease, "worker": self.name,
+                "inline_bytes": self.inline_args_bytes, "held_tasks": self._held_names,
+                "held": held}
 
     async def _produce(self) -> None:
         loop = asyncio.get_running_loop()
@@ -347,18 +366,22 @@ class Worker:
                 order = self._queues[start:] + self._queues[:start]
                 start = (start + 1) % len(self._queues)
                 for queue in order:
-                    free = self.concurrency - len(self._running)
+                    free = self.concurrency - self._busy()
                     if free <= 0 or self._stopping.is_set():
                         break
+                    if self._held_names and self._held_due[queue]:
+                        self._held_due[queue] = False
+                        for _ in range(min(free, self.batch_size or free)):
+                            self._spawn_held(queue)
+                        continue
                     if not self._due[queue]:
                         continue
                     want = min(free, self.batch_size or free)
                     try:
                         if conn is None or conn.closed:
                             conn = await self.app.connect_async()
-                        cur = await conn.execute(self.app.queries.CLAIM, {
-                            "queue": queue, "limit": want, "lease": self.lease,
-                            "worker": self.name, "inline_bytes": self.inline_args_bytes})
+                        cur = await conn.execute(self.app.queries.CLAIM,
+                                                 self._claim_params(queue, want, held=False))
                         rows = await cur.fetchall()
                         backoff.reset()
                     except psycopg.Error as exc:
@@ -373,7 +396,7 @@ class Worker:
                         self._due[queue] = False
                     for row in rows:
                         self._start(Job(*row))
-                free = self.concurrency - len(self._running)
+                free = self.concurrency - self._busy()
                 if (free > 0 and any(self._due.values())) or self._stopping.is_set():
                     continue
                 try:
@@ -382,6 +405,65 @@ class Worker:
                     pass
         finally:
             await _discard(conn)
+
+    # --- claims held in an open transaction (Task.transaction == "claim") -----------------
+
+    def _spawn_held(self, queue: str) -> None:
+        self._held_busy += 1
+        runner = asyncio.create_task(self._held_runner(queue), name=f"skipjack-held-{queue}")
+        self._held_runners.add(runner)
+        runner.add_done_callback(self._held_runners.discard)
+
+    async def _held_runner(self, queue: str) -> None:
+        """Claim and run jobs one at a time in held transactions until the queue has none."""
+        try:
+            while not self._stopping.is_set():
+                try:
+                    outcome, state = await self._in_thread(
+                        functools.partial(self._held_once, queue))
+                except psycopg.Error as exc:  # the transaction rolled back: the job is free
+                    log.warning("held claim on %s failed: %s", queue, str(exc).strip())
+                    await _sleep_unless(self._stopping, self._default_backoff.delay(1))
+                    self._held_due[queue] = True
+                    break
+                if outcome is None:
+                    break
+                self.stats.claimed += 1
+                self._count(outcome, state)
+        finally:
+            self._held_busy -= 1
+            self._wakeup.set()
+
+    def _held_once(self, queue: str) -> tuple[Outcome | None, str | None]:
+        """In a handler thread: claim one job in a transaction, run it, record the outcome in
+        the same transaction, commit. Returns (outcome, new state), or (None, None)."""
+        q, pool = self.app.queries, self._pool
+        assert pool is not None
+        with pool.connection() as conn, conn.transaction():
+            conn.execute(q.SET_IDLE_TIMEOUT, {"ms": self._held_timeout_ms})
+            row = conn.execute(q.CLAIM, self._claim_params(queue, 1, held=True)).fetchone()
+            if row is None:
+                return None, None
+            job = Job(*row)
+            task = self.app.tasks[job.task]
+            ctx = JobContext(job, conn=conn)
+            set_current(ctx)
+            try:
+                args = job.args
+                if args is None:
+                    loaded = conn.execute(q.LOAD_ARGS, {"id": job.id,
+                                                        "lease_version": job.lease_version})
+                    args = (loaded.fetchone() or [{}])[0]
+                with conn.transaction():  # a savepoint: a failed handler's writes roll back
+                    result = task.fn(**args)
+                outcome = Outcome(job.id, job.lease_version, job.queue, "complete",
+                                  result=dump_result(result))
+            except Exception as exc:
+                outcome = self._failure(job, task, exc)
+            rows = conn.execute(q.RECORD_OUTCOMES, _outcome_params([outcome])).fetchall()
+        return outcome, rows[0][1] if rows else None
+
+    # --- lease-mode execution -------------------------------------------------------------
 
     def _start(self, job: Job) -> None:
         self.stats.claimed += 1
@@ -399,7 +481,6 @@ class Worker:
         job, ctx = running.job, running.ctx
         set_current(ctx)
         task = self.app.tasks.get(job.task)
-        backoff = task.backoff if task is not None else self._default_backoff
         outcome: Outcome | None
         try:
             if task is None:
@@ -421,21 +502,11 @@ class Worker:
                                   result=dump_result(result))
         except asyncio.CancelledError:
             outcome = self._after_cancel(job, ctx)
-        except Discard as exc:
-            outcome = Outcome(job.id, job.lease_version, job.queue, "discard",
-                              error=_error_json(job, exc))
         except Exception as exc:
             if ctx.cancelled.is_set():
                 outcome = self._after_cancel(job, ctx)
-            elif task is not None and task.transaction != "none" and _connection_lost(exc):
-                # the database went away under the job's own transaction: not the job's
-                # fault, so the attempt is not counted
-                outcome = Outcome(job.id, job.lease_version, job.queue, "release",
-                                  delay=self._default_backoff.delay(1),
-                                  error=_error_json(job, exc))
             else:
-                outcome = Outcome(job.id, job.lease_version, job.queue, "retry",
-                                  delay=backoff.delay(job.attempt), error=_error_json(job, exc))
+                outcome = self._failure(job, task, exc)
         finally:
             self._running.pop(job.id, None)
             self._wakeup.set()
@@ -445,6 +516,20 @@ class Worker:
             self._leases.finishing(job.id)
             self._outcomes.append(outcome)
             self._outcome_ready.set()
+
+    def _failure(self, job: Job, task: Task | None, exc: BaseException) -> Outcome:
+        """The outcome of an attempt whose handler raised ``exc``."""
+        error = _error_json(job, exc)
+        if isinstance(exc, Discard):
+            return Outcome(job.id, job.lease_version, job.queue, "discard", error=error)
+        if task is not None and task.transaction != "none" and _connection_lost(exc):
+            # the database went away under the job's own transaction: not the job's fault,
+            # so the attempt is not counted
+            return Outcome(job.id, job.lease_version, job.queue, "release",
+                           delay=self._default_backoff.delay(1), error=error)
+        backoff = task.backoff if task is not None else self._default_backoff
+        return Outcome(job.id, job.lease_version, job.queue, "retry",
+                       delay=backoff.delay(job.attempt), error=error)
 
     async def _call(self, running: _Running, task: Task, args: dict[str, Any]) -> Any:
         """Run the handler; for transaction="complete" tasks, return whether the completion
@@ -516,14 +601,8 @@ class Worker:
                     try:
                         if conn is None or conn.closed:
                             conn = await self.app.connect_async()
-                        cur = await conn.execute(self.app.queries.RECORD_OUTCOMES, {
-                            "id": [o.id for o in batch],
-                            "lease_version": [o.lease_version for o in batch],
-                            "kind": [o.kind for o in batch],
-                            "delay": [o.delay for o in batch],
-                            "result": [o.result for o in batch],
-                            "error": [o.error for o in batch],
-                        })
+                        cur = await conn.execute(self.app.queries.RECORD_OUTCOMES,
+                                                 _outcome_params(batch))
                         applied = dict(await cur.fetchall())
                         backoff.reset()
                     except psycopg.Error as exc:
@@ -580,6 +659,12 @@ class Worker:
                 delay = backoff.next()
                 log.warning("listener: %s (reconnecting in %.1fs)", str(exc).strip(), delay)
                 await asyncio.sleep(delay)
+
+
+def _outcome_params(batch: list[Outcome]) -> dict[str, list[Any]]:
+    return {"id": [o.id for o in batch], "lease_version": [o.lease_version for o in batch],
+            "kind": [o.kind for o in batch], "delay": [o.delay for o in batch],
+            "result": [o.result for o in batch], "error": [o.error for o in batch]}
 
 
 def _connection_lost(exc: BaseException) -> bool:
