@@ -5,6 +5,7 @@ Public API: :class:`App` (configuration, tasks, enqueue), :class:`Worker`, :clas
 """
 
 from .app import App, Task
+from .completer import WorkerStats
 from .context import Job, JobContext, current_job
 from .errors import (
     ConfigError,
@@ -17,7 +18,7 @@ from .errors import (
 )
 from .jobs import JobSpec
 from .retry import Backoff
-from .worker import Worker, WorkerStats
+from .worker import Worker
 
 __all__ = [
     "App",

@@ -23,29 +23,27 @@ import asyncio
 import contextvars
 import functools
 import inspect
-import json
 import logging
 import os
 import secrets
 import signal
 import socket
-import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import sql
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from . import transactional
 from .app import CONNECT_KWARGS, Task
+from .completer import Completer, Outcome, WorkerStats, close_quietly, error_json, outcome_params
 from .context import Job, JobContext, set_current
 from .errors import ConfigError, Discard
 from .heartbeat import Heartbeat, Leases
-from .jobs import QUEUE_MAX_BYTES, check_name, dump_result, scrub_text
-from .migrate import channel_name
+from .jobs import QUEUE_MAX_BYTES, check_name, dump_result
+from .listener import listen
 from .reconnect import Backoff as ReconnectBackoff
 from .retry import Backoff
 
@@ -53,32 +51,6 @@ if TYPE_CHECKING:
     from .app import App
 
 log = logging.getLogger("skipjack.worker")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What became of one attempt; ``kind`` is complete, retry, discard or release."""
-
-    id: int
-    lease_version: int
-    queue: str
-    kind: str
-    delay: float = 0.0
-    result: str | None = None
-    error: str | None = None
-
-
-@dataclass
-class WorkerStats:
-    """Counters since the worker started."""
-
-    claimed: int = 0
-    succeeded: int = 0
-    retried: int = 0
-    discarded: int = 0
-    released: int = 0
-    stale_writes: int = 0  # outcome writes rejected by fencing
-    leases_lost: int = 0
 
 
 @dataclass
@@ -169,8 +141,6 @@ class Worker:
         self._held_runners: set[asyncio.Task[None]] = set()
         self._held_names: list[str] = []
         self._held_timeout_ms = 0
-        self._outcomes: list[Outcome] = []
-        self._writing = False
         self._default_backoff = Backoff()
         self._stop_requested = False
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
@@ -228,8 +198,7 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._outcome_ready = asyncio.Event()
-        self._flushed = asyncio.Event()
+        self._completer = Completer(self.app, self._leases, self.stats, self._retry_later)
         self._large_args = asyncio.Semaphore(self.large_args_concurrency)
         await self._open_pools()
         if self._stop_requested:
@@ -249,8 +218,10 @@ class Worker:
         log.info("worker %s serving %s (concurrency %d) on %s", self.name,
                  ", ".join(self.queues), self.concurrency, _safe_dsn(dsn))
         producer = asyncio.create_task(self._produce(), name="skipjack-producer")
-        helpers = [asyncio.create_task(self._listen(), name="skipjack-listener"),
-                   asyncio.create_task(self._complete(), name="skipjack-completer")]
+        helpers = [asyncio.create_task(listen(self.app, self._mark_due, self._mark_all_due,
+                                              self.listen_health_interval),
+                                       name="skipjack-listener"),
+                   asyncio.create_task(self._completer.run(), name="skipjack-completer")]
         stopping = asyncio.create_task(self._stopping.wait())
         failure: BaseException | None = None
         try:
@@ -318,18 +289,11 @@ class Worker:
                 runner.cancel()
             if tasks:
                 await asyncio.wait(tasks)
-        if self._outcomes or self._writing:
-            self._outcome_ready.set()
-            try:
-                await asyncio.wait_for(self._flushed_all(), timeout=max(self.shutdown_grace, 5.0))
-            except TimeoutError:
-                log.error("could not record %d outcomes before exit; their leases will expire "
-                          "and the rescuer will return the jobs", len(self._outcomes))
-
-    async def _flushed_all(self) -> None:
-        while self._outcomes or self._writing:
-            self._flushed.clear()
-            await self._flushed.wait()
+        try:
+            await asyncio.wait_for(self._completer.flush(), timeout=max(self.shutdown_grace, 5.0))
+        except TimeoutError:
+            log.error("could not record %d outcomes before exit; their leases will expire "
+                      "and the rescuer will return the jobs", len(self._completer))
 
     # --- producer ------------------------------------------------------------------------
 
@@ -337,6 +301,9 @@ class Worker:
         if queue in self._due:
             self._due[queue] = self._held_due[queue] = True
             self._wakeup.set()
+
+    def _retry_later(self, queue: str, delay: float) -> None:
+        self._loop.call_later(delay, self._mark_due, queue)
 
     def _mark_all_due(self) -> None:
         for q in self._due:
@@ -385,7 +352,7 @@ class Worker:
                         rows = await cur.fetchall()
                         backoff.reset()
                     except psycopg.Error as exc:
-                        await _discard(conn)
+                        await close_quietly(conn)
                         conn = None
                         delay = backoff.next()
                         log.warning("claim failed: %s (retrying in %.1fs)", str(exc).strip(), delay)
@@ -404,7 +371,7 @@ class Worker:
                 except TimeoutError:
                     pass
         finally:
-            await _discard(conn)
+            await close_quietly(conn)
 
     # --- claims held in an open transaction (Task.transaction == "claim") -----------------
 
@@ -429,7 +396,7 @@ class Worker:
                 if outcome is None:
                     break
                 self.stats.claimed += 1
-                self._count(outcome, state)
+                self._completer.count(outcome, state)
         finally:
             self._held_busy -= 1
             self._wakeup.set()
@@ -460,7 +427,7 @@ class Worker:
                                   result=dump_result(result))
             except Exception as exc:
                 outcome = self._failure(job, task, exc)
-            rows = conn.execute(q.RECORD_OUTCOMES, _outcome_params([outcome])).fetchall()
+            rows = conn.execute(q.RECORD_OUTCOMES, outcome_params([outcome])).fetchall()
         return outcome, rows[0][1] if rows else None
 
     # --- lease-mode execution -------------------------------------------------------------
@@ -493,7 +460,7 @@ class Worker:
                     result = await self._call(running, task, await self._load_args(job))
             if task.transaction == "complete":
                 outcome = None  # recorded inside the handler's transaction
-                self._count(Outcome(job.id, job.lease_version, job.queue, "complete"),
+                self._completer.count(Outcome(job.id, job.lease_version, job.queue, "complete"),
                             "succeeded" if result else None)
             elif ctx.cancelled.is_set():
                 outcome = self._after_cancel(job, ctx)
@@ -513,13 +480,11 @@ class Worker:
         if outcome is None:
             self._leases.remove(job.id, job.lease_version)
         else:
-            self._leases.finishing(job.id)
-            self._outcomes.append(outcome)
-            self._outcome_ready.set()
+            self._completer.submit(outcome)
 
     def _failure(self, job: Job, task: Task | None, exc: BaseException) -> Outcome:
         """The outcome of an attempt whose handler raised ``exc``."""
-        error = _error_json(job, exc)
+        error = error_json(job, exc)
         if isinstance(exc, Discard):
             return Outcome(job.id, job.lease_version, job.queue, "discard", error=error)
         if task is not None and task.transaction != "none" and _connection_lost(exc):
@@ -586,108 +551,10 @@ class Worker:
         if running.is_async and running.task is not None:
             running.task.cancel()
 
-    # --- completer -----------------------------------------------------------------------
-
-    async def _complete(self) -> None:
-        conn: psycopg.AsyncConnection[Any] | None = None
-        backoff = ReconnectBackoff()
-        try:
-            while True:
-                await self._outcome_ready.wait()
-                self._outcome_ready.clear()
-                while self._outcomes:
-                    batch = sorted(self._outcomes[:1000], key=lambda o: o.id)
-                    self._writing = True
-                    try:
-                        if conn is None or conn.closed:
-                            conn = await self.app.connect_async()
-                        cur = await conn.execute(self.app.queries.RECORD_OUTCOMES,
-                                                 _outcome_params(batch))
-                        applied = dict(await cur.fetchall())
-                        backoff.reset()
-                    except psycopg.Error as exc:
-                        await _discard(conn)
-                        conn = None
-                        delay = backoff.next()
-                        log.warning("recording %d outcomes failed: %s (retrying in %.1fs)",
-                                    len(batch), str(exc).strip(), delay)
-                        await asyncio.sleep(delay)
-                        continue
-                    finally:
-                        self._writing = False
-                    done = {o.id for o in batch}
-                    self._outcomes = [o for o in self._outcomes if o.id not in done]
-                    for o in batch:
-                        self._leases.remove(o.id, o.lease_version)
-                        self._count(o, applied.get(o.id))
-                self._flushed.set()
-        finally:
-            await _discard(conn)
-
-    def _count(self, o: Outcome, state: str | None) -> None:
-        if state is None:
-            self.stats.stale_writes += 1
-            log.warning("job %s: stale %s rejected (lease_version %s is no longer current)",
-                        o.id, o.kind, o.lease_version)
-        elif o.kind == "complete":
-            self.stats.succeeded += 1
-        elif o.kind == "release":
-            self.stats.released += 1
-        elif state == "discarded":
-            self.stats.discarded += 1
-            log.warning("job %s discarded (dead letter)", o.id)
-        else:
-            self.stats.retried += 1
-            self._loop.call_later(o.delay, self._mark_due, o.queue)
-
-    # --- listener ------------------------------------------------------------------------
-
-    async def _listen(self) -> None:
-        backoff = ReconnectBackoff()
-        listen = sql.SQL("LISTEN {}").format(sql.Identifier(channel_name(self.app.schema)))
-        while True:
-            try:
-                async with await self.app.connect_async() as conn:
-                    await conn.execute(listen)
-                    backoff.reset()
-                    self._mark_all_due()  # anything enqueued while we were away
-                    while True:
-                        async for note in conn.notifies(timeout=self.listen_health_interval):
-                            self._mark_due(note.payload)
-                        await conn.execute("SELECT 1")  # detects a dead connection
-            except psycopg.Error as exc:
-                delay = backoff.next()
-                log.warning("listener: %s (reconnecting in %.1fs)", str(exc).strip(), delay)
-                await asyncio.sleep(delay)
-
-
-def _outcome_params(batch: list[Outcome]) -> dict[str, list[Any]]:
-    return {"id": [o.id for o in batch], "lease_version": [o.lease_version for o in batch],
-            "kind": [o.kind for o in batch], "delay": [o.delay for o in batch],
-            "result": [o.result for o in batch], "error": [o.error for o in batch]}
-
-
 def _connection_lost(exc: BaseException) -> bool:
     """Did the database connection itself fail (as opposed to a statement)?"""
     return isinstance(exc, psycopg.OperationalError) and not isinstance(
         exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
-
-
-def _error_json(job: Job, exc: BaseException) -> str:
-    tb = "".join(traceback.format_exception(exc))
-    return json.dumps({
-        "attempt": job.attempt,
-        "error": scrub_text(f"{type(exc).__name__}: {exc}"),
-        "traceback": scrub_text(tb[-16_000:]),
-    }, ensure_ascii=False)
-
-
-async def _discard(conn: psycopg.AsyncConnection[Any] | None) -> None:
-    if conn is not None:
-        try:
-            await conn.close()
-        except Exception:  # closing a broken connection must not mask the real error
-            log.debug("close failed", exc_info=True)
 
 
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:

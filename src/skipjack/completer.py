@@ -1,0 +1,178 @@
+"""Outcomes of attempts, and the completer that records them in fenced batches.
+
+The completer writes every outcome that piled up while its previous write ran, in one
+statement (``RECORD_OUTCOMES``), so a busy worker spends far less than one round trip per job.
+A failed write is retried on a fresh connection until it lands: an outcome is never dropped
+while the worker lives, and fencing makes a late or repeated write harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from .context import Job
+from .heartbeat import Leases
+from .jobs import scrub_text
+from .reconnect import Backoff as ReconnectBackoff
+
+if TYPE_CHECKING:
+    from .app import App
+
+log = logging.getLogger("skipjack.worker")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one attempt; ``kind`` is complete, retry, discard or release.
+
+    ``delay`` is seconds until the job is runnable again (retry, release); ``result`` and
+    ``error`` are JSON text.
+    """
+
+    id: int
+    lease_version: int
+    queue: str
+    kind: str
+    delay: float = 0.0
+    result: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class WorkerStats:
+    """Counters since the worker started."""
+
+    claimed: int = 0
+    succeeded: int = 0
+    retried: int = 0
+    discarded: int = 0
+    released: int = 0
+    stale_writes: int = 0  # outcome writes rejected by fencing
+    leases_lost: int = 0
+
+
+def outcome_params(batch: list[Outcome]) -> dict[str, list[Any]]:
+    """Bind values of ``RECORD_OUTCOMES`` for a batch."""
+    return {"id": [o.id for o in batch], "lease_version": [o.lease_version for o in batch],
+            "kind": [o.kind for o in batch], "delay": [o.delay for o in batch],
+            "result": [o.result for o in batch], "error": [o.error for o in batch]}
+
+
+def error_json(job: Job, exc: BaseException) -> str:
+    """The error entry stored for a failed attempt (NUL-free, traceback capped at 16 kB)."""
+    tb = "".join(traceback.format_exception(exc))
+    return json.dumps({
+        "attempt": job.attempt,
+        "error": scrub_text(f"{type(exc).__name__}: {exc}"),
+        "traceback": scrub_text(tb[-16_000:]),
+    }, ensure_ascii=False)
+
+
+class Completer:
+    """Records outcomes in batches on a connection of its own.
+
+    Args:
+        app: the application (statements and connections).
+        leases: the running set; a job leaves it once its outcome is written.
+        stats: counters to update.
+        on_retry: called with (queue, delay seconds) for each retry scheduled.
+    """
+
+    def __init__(self, app: App, leases: Leases, stats: WorkerStats,
+                 on_retry: Callable[[str, float], None]) -> None:
+        self._app = app
+        self._leases = leases
+        self._stats = stats
+        self._on_retry = on_retry
+        self._pending: list[Outcome] = []
+        self._writing = False
+        self._ready = asyncio.Event()
+        self._flushed = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def submit(self, outcome: Outcome) -> None:
+        """Queue an outcome for the next batch."""
+        self._leases.finishing(outcome.id)
+        self._pending.append(outcome)
+        self._ready.set()
+
+    async def flush(self) -> None:
+        """Wait until every submitted outcome is written."""
+        self._ready.set()
+        while self._pending or self._writing:
+            self._flushed.clear()
+            await self._flushed.wait()
+
+    async def run(self) -> None:
+        """Write batches until cancelled."""
+        conn: psycopg.AsyncConnection[Any] | None = None
+        backoff = ReconnectBackoff()
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                while self._pending:
+                    batch = sorted(self._pending[:1000], key=lambda o: o.id)  # lock order
+                    self._writing = True
+                    try:
+                        if conn is None or conn.closed:
+                            conn = await self._app.connect_async()
+                        cur = await conn.execute(self._app.queries.RECORD_OUTCOMES,
+                                                 outcome_params(batch))
+                        applied = dict(await cur.fetchall())
+                        backoff.reset()
+                    except psycopg.Error as exc:
+                        await close_quietly(conn)
+                        conn = None
+                        delay = backoff.next()
+                        log.warning("recording %d outcomes failed: %s (retrying in %.1fs)",
+                                    len(batch), str(exc).strip(), delay)
+                        await asyncio.sleep(delay)
+                        continue
+                    finally:
+                        self._writing = False
+                    done = {o.id for o in batch}
+                    self._pending = [o for o in self._pending if o.id not in done]
+                    for o in batch:
+                        self._leases.remove(o.id, o.lease_version)
+                        self.count(o, applied.get(o.id))
+                self._flushed.set()
+        finally:
+            await close_quietly(conn)
+
+    def count(self, o: Outcome, state: str | None) -> None:
+        """Account for an outcome that was written (``state``: the job's new state) or
+        rejected as stale (``state`` None)."""
+        if state is None:
+            self._stats.stale_writes += 1
+            log.warning("job %s: stale %s rejected (lease_version %s is no longer current)",
+                        o.id, o.kind, o.lease_version)
+        elif o.kind == "complete":
+            self._stats.succeeded += 1
+        elif o.kind == "release":
+            self._stats.released += 1
+        elif state == "discarded":
+            self._stats.discarded += 1
+            log.warning("job %s discarded (dead letter)", o.id)
+        else:
+            self._stats.retried += 1
+            self._on_retry(o.queue, o.delay)
+
+
+async def close_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:
+    """Close a connection that may already be broken."""
+    if conn is not None:
+        try:
+            await conn.close()
+        except Exception:  # closing a broken connection must not mask the real error
+            log.debug("close failed", exc_info=True)
