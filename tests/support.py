@@ -110,8 +110,10 @@ class WorkerProcess:
         cmd += list(args)
         self.log_path = log
         out = open(log, "ab") if log else subprocess.DEVNULL
+        self.application_name = f"skipjack-{schema}"  # tell this worker's sessions apart
         full_env = {**os.environ, "SKIPJACK_SCHEMA": schema, "SKIPJACK_DATABASE_URL": dsn,
-                    "PYTHONUNBUFFERED": "1", **(env or {})}
+                    "SKIPJACK_APPLICATION_NAME": self.application_name, "PYTHONUNBUFFERED": "1",
+                    **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=TESTS, env=full_env, stdout=out,
                                      stderr=subprocess.STDOUT)
 

@@ -251,9 +251,8 @@ def test_fc05_listener_and_all_sessions_terminated(tasks: App, server: Server,
                    timeout=30, what="first job")
         for target in ("LISTEN%", "%"):
             query(server.dsn, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                  "WHERE application_name = 'skipjack' AND query ILIKE %s "
-                  "AND pid <> pg_backend_pid()", [target])
-            wait_until(lambda: _listeners(server) == 1, timeout=30, what="one LISTEN again")
+                  "WHERE application_name = %s AND query ILIKE %s", [w.application_name, target])
+            wait_until(lambda: _listeners(server, w) == 1, timeout=30, what="one LISTEN again")
             more = enqueue(tasks, "sleep", 5)
             wait_until(lambda m=more: set(m) <= exec_counts(tasks.dsn, tasks.schema,
                                                             "finish").keys(),
@@ -261,9 +260,10 @@ def test_fc05_listener_and_all_sessions_terminated(tasks: App, server: Server,
         assert w.proc.poll() is None
 
 
-def _listeners(server: Server) -> int:
+def _listeners(server: Server, w: WorkerProcess) -> int:
     return int(query(server.dsn, "SELECT count(*) FROM pg_stat_activity WHERE "
-                     "application_name = 'skipjack' AND query ILIKE 'LISTEN%%'")[0][0])
+                     "application_name = %s AND query ILIKE 'LISTEN%%'",
+                     [w.application_name])[0][0])
 
 
 def test_fc05_worker_survives_server_restart(tasks: App, server: Server,
@@ -274,7 +274,7 @@ def test_fc05_worker_survives_server_restart(tasks: App, server: Server,
         wait_until(lambda: exec_counts(tasks.dsn, tasks.schema, "finish").keys() == set(before),
                    timeout=30, what="jobs before restart")
         server.restart()
-        wait_until(lambda: _listeners(server) == 1, timeout=60, what="LISTEN re-established")
+        wait_until(lambda: _listeners(server, w) == 1, timeout=60, what="LISTEN re-established")
         after = enqueue(tasks, "sleep", 5)
         wait_until(lambda: set(after) <= exec_counts(tasks.dsn, tasks.schema, "finish").keys(),
                    timeout=30, what="jobs after restart")

@@ -7,7 +7,7 @@ import inspect
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, overload
@@ -17,6 +17,8 @@ import psycopg.rows
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from . import embedded
+from .control import Control
+from .cron import CronEntry, CronSchedule
 from .errors import DuplicateJobError, ValidationError
 from .jobs import (
     DEFAULT_MAX_ARGS_BYTES,
@@ -30,8 +32,10 @@ from .jobs import (
     check_name,
     check_priority,
     check_run_at,
+    check_timeout,
     check_transaction,
     serialize_args,
+    unique_states_mask,
 )
 from .migrate import check_schema, migrate
 from .queries import Queries
@@ -79,6 +83,8 @@ class Task:
     idempotency_key: str | None = None
     lease: float | None = None
     transaction: str = "none"
+    timeout: float | None = None
+    unique_states: int = 63
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -92,6 +98,7 @@ class Task:
         run_at: datetime | None = None,
         delay: float | timedelta | None = None,
         idempotency_key: str | None = None,
+        unique_while: Iterable[str] | None = None,
         lease: float | None = None,
     ) -> Task:
         """A copy of this task with other options for the jobs it makes.
@@ -102,8 +109,12 @@ class Task:
             max_attempts: 1..10,000.
             run_at: aware datetime at which the job becomes runnable (UTC stored).
             delay: seconds (or timedelta) from the database's ``now()`` at enqueue.
-            idempotency_key: at most one job ever exists per key; enqueueing it again
-                returns the existing job's id.
+            idempotency_key: at most one job per key exists in the ``unique_while`` states;
+                enqueueing the key again returns the existing job's id (it never changes
+                that job, running or not).
+            unique_while: the states in which the key is held, e.g.
+                ``("scheduled", "available", "running")`` to allow a new job once the previous
+                one finished; default every state (one job per key, ever).
             lease: seconds this job's claim lasts without renewal, instead of the worker's;
                 a crashed worker's job is rescued this long after its last heartbeat.
 
@@ -125,6 +136,8 @@ class Task:
             changes["idempotency_key"] = check_idempotency_key(idempotency_key)
         if lease is not None:
             changes["lease"] = check_lease(lease)
+        if unique_while is not None:
+            changes["unique_states"] = unique_states_mask(unique_while)
         if changes.get("run_at") is not None and changes.get("delay") is not None:
             raise ValidationError("run_at", "give run_at or delay, not both")
         return dataclasses.replace(self, **changes)
@@ -145,6 +158,7 @@ class Task:
             delay=self.delay,
             idempotency_key=self.idempotency_key,
             lease=self.lease,
+            unique_states=self.unique_states,
         )
 
     def enqueue(self, **kwargs: Any) -> int:
@@ -156,8 +170,11 @@ class Task:
         return await self.app.enqueue_async(self.job(**kwargs))
 
 
-class App:
-    """A skipjack application: where the jobs live and which tasks exist.
+class App(Control):
+    """A skipjack application: where the jobs live, which tasks exist, which run on a cron.
+
+    The operating methods (``stats``, ``cancel``, ``pause_queue``, ``prune``, ...) are
+    documented in :class:`skipjack.control.Control`.
 
     Args:
         dsn: a libpq connection string or URI. None: ``$SKIPJACK_DATABASE_URL``, then
@@ -188,6 +205,7 @@ class App:
         self.max_args_bytes = max_args_bytes
         self.queries = Queries(schema)
         self.tasks: dict[str, Task] = {}
+        self.crons: dict[str, CronEntry] = {}
         self._lock = threading.Lock()
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._apool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
@@ -218,6 +236,7 @@ class App:
         backoff: Backoff | None = None,
         lease: float | None = None,
         transaction: str = "none",
+        timeout: float | None = None,
     ) -> Callable[[Callable[..., Any]], Task]: ...
 
     def task(
@@ -232,6 +251,7 @@ class App:
         backoff: Backoff | None = None,
         lease: float | None = None,
         transaction: str = "none",
+        timeout: float | None = None,
     ) -> Task | Callable[[Callable[..., Any]], Task]:
         """Register a function as a task; usable bare (``@app.task``) or with options.
 
@@ -255,6 +275,10 @@ class App:
                 rolls back and the job is available again. The handler must finish within
                 its lease: the session's ``idle_in_transaction_session_timeout`` is set to
                 it, so a stalled worker's transaction is ended by the server.
+            timeout: seconds an attempt may run; past it the attempt fails (and is retried
+                per policy). Async handlers are cancelled; a sync handler's thread cannot be
+                stopped, so it is told through ``current_job().cancelled`` and its eventual
+                result is ignored.
 
         Raises:
             ValidationError: bad option, or the name is taken by another function.
@@ -276,6 +300,7 @@ class App:
                 backoff=backoff or Backoff(),
                 lease=check_lease(lease),
                 transaction=check_transaction(transaction),
+                timeout=check_timeout(timeout),
             )
             existing = self.tasks.get(task_name)
             if existing is not None and existing.fn is not f:
@@ -284,6 +309,40 @@ class App:
             return task
 
         return register(fn) if fn is not None else register
+
+    def cron(self, expr: str, *, tz: str = "UTC", name: str | None = None,
+             args: dict[str, Any] | None = None,
+             grace: float = 600.0) -> Callable[[Task], Task]:
+        """Enqueue a task on a schedule: ``@app.cron("*/5 * * * *", tz="Europe/Berlin")``
+        above ``@app.task``. Every worker of the app runs the scheduler; each slot becomes at
+        most one job (see :mod:`skipjack.cron` for syntax, DST and misfire policy).
+
+        Args:
+            expr: 5-field cron expression or ``@daily``-style macro.
+            tz: IANA time zone of the expression.
+            name: the schedule's name (default: the task name); unique in the app.
+            args: keyword arguments of every job (validated now).
+            grace: seconds after its slot within which a missed run still happens.
+
+        Raises:
+            ValidationError: bad expression, zone, args or a name already used.
+        """
+        schedule = CronSchedule(expr, tz)
+        if not 0 <= grace <= 86400 * 7:
+            raise ValidationError("grace", f"{grace} seconds is out of range 0..604800")
+
+        def register(task: Task) -> Task:
+            if not isinstance(task, Task):
+                raise ValidationError("cron", "decorate a task: put @app.cron above @app.task")
+            entry_name = check_name("cron name", name or task.name, TASK_MAX_BYTES)
+            if entry_name in self.crons:
+                raise ValidationError("cron name", f"{entry_name!r} is already scheduled")
+            task.job(**(args or {}))  # validate the arguments now
+            self.crons[entry_name] = CronEntry(entry_name, schedule, task, dict(args or {}),
+                                               grace)
+            return task
+
+        return register
 
     # --- connections ---------------------------------------------------------------------
 
@@ -423,51 +482,6 @@ class App:
                 existing = await cur.fetchall()
         return _assign_ids(specs, rows, existing)
 
-    # --- inspection ----------------------------------------------------------------------
-
-    def stats(self, discarded_limit: int = 10) -> dict[str, Any]:
-        """Queue counts for people and monitors.
-
-        Returns:
-            ``{"queues": {queue: {state: count}}, "oldest_runnable_seconds": {queue: age},
-            "discarded": [job rows, newest first]}``; ages are seconds on the database clock.
-        """
-        q = self.queries
-        with self.connect() as conn:
-            counts: dict[str, dict[str, int]] = {}
-            for queue, state, n in conn.execute(q.STATS).fetchall():
-                counts.setdefault(queue, {})[state] = n
-            oldest = dict(conn.execute(q.OLDEST_RUNNABLE).fetchall())
-            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
-            discarded = cur.execute(q.LIST_JOBS, {"state": "discarded", "queue": None,
-                                                  "limit": discarded_limit}).fetchall()
-        return {"queues": counts, "oldest_runnable_seconds": oldest, "discarded": discarded}
-
-    def list_jobs(self, *, state: str | None = None, queue: str | None = None,
-                  limit: int = 50) -> list[dict[str, Any]]:
-        """The newest ``limit`` jobs, optionally of one state and queue, as dicts."""
-        with self.connect() as conn:
-            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
-            return cur.execute(self.queries.LIST_JOBS,
-                               {"state": state, "queue": queue, "limit": limit}).fetchall()
-
-    def get_job(self, job_id: int) -> dict[str, Any] | None:
-        """Every column of one job, or None if there is no such job."""
-        with self.connect() as conn:
-            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
-            return cur.execute(self.queries.GET_JOB, {"id": job_id}).fetchone()
-
-    # --- dead letter ---------------------------------------------------------------------
-
-    def retry_discarded(self, ids: Sequence[int]) -> list[int]:
-        """Put discarded jobs back in their queue with a fresh set of attempts.
-
-        Returns the ids that were discarded and are now available (others are ignored).
-        """
-        with self.connect() as conn:
-            rows = conn.execute(self.queries.RETRY_DISCARDED, {"id": list(ids)}).fetchall()
-        return [r[0] for r in rows]
-
 
 def _as_specs(jobs: Iterable[JobSpec]) -> list[JobSpec]:
     specs = list(jobs)
@@ -490,6 +504,7 @@ def _enqueue_params(specs: list[JobSpec]) -> dict[str, list[Any]]:
         "delay": [s.delay for s in specs],
         "idempotency_key": [s.idempotency_key for s in specs],
         "lease_seconds": [s.lease for s in specs],
+        "unique_states": [s.unique_states for s in specs],
     }
 
 

@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,15 +82,12 @@ class Completer:
         app: the application (statements and connections).
         leases: the running set; a job leaves it once its outcome is written.
         stats: counters to update.
-        on_retry: called with (queue, delay seconds) for each retry scheduled.
     """
 
-    def __init__(self, app: App, leases: Leases, stats: WorkerStats,
-                 on_retry: Callable[[str, float], None]) -> None:
+    def __init__(self, app: App, leases: Leases, stats: WorkerStats) -> None:
         self._app = app
         self._leases = leases
         self._stats = stats
-        self._on_retry = on_retry
         self._pending: list[Outcome] = []
         self._writing = False
         self._ready = asyncio.Event()
@@ -165,8 +161,7 @@ class Completer:
             self._stats.discarded += 1
             log.warning("job %s discarded (dead letter)", o.id)
         else:
-            self._stats.retried += 1
-            self._on_retry(o.queue, o.delay)
+            self._stats.retried += 1  # the stager makes it runnable when its delay is over
 
 
 async def close_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:

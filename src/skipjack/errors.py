@@ -35,6 +35,20 @@ class Discard(SkipjackError):
     """Raise from a handler to send the job to the dead letter now, without more attempts."""
 
 
+class Snooze(SkipjackError):
+    """Raise from a handler to run the job again after ``seconds`` without using an attempt.
+
+    Args:
+        seconds: delay from the database's ``now()``; 0..31,557,600 (one year).
+    """
+
+    def __init__(self, seconds: float) -> None:
+        if not (isinstance(seconds, int | float) and 0 <= seconds <= 31_557_600):
+            raise ValidationError("seconds", f"{seconds!r} is not in 0..31557600")
+        self.seconds = float(seconds)
+        super().__init__(f"snoozed for {self.seconds}s")
+
+
 class JobCancelled(SkipjackError):
     """Raised in a handler that checks :meth:`skipjack.JobContext.raise_if_cancelled` after
     its job was taken from it (lease lost) or the worker is shutting down."""

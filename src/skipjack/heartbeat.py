@@ -1,4 +1,4 @@
-"""The heartbeat thread: renews the leases of running jobs, and runs the rescuer.
+"""The heartbeat thread: renews the leases of running jobs and hears cancellation requests.
 
 It has its own thread and its own connection, so it keeps renewing while a sync handler
 holds the GIL in long stretches or an async handler blocks the event loop, and it never waits
@@ -8,7 +8,6 @@ for a connection that handlers use.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +16,6 @@ from typing import Any
 
 import psycopg
 
-from .maintenance import rescue
 from .queries import Queries
 from .reconnect import Backoff as ReconnectBackoff
 
@@ -68,8 +66,7 @@ class Leases:
 
 
 class Heartbeat(threading.Thread):
-    """Renews leases every ``interval`` seconds and rescues expired jobs every
-    ``rescue_interval`` seconds (jittered +-20% so many workers spread out).
+    """Renews the leases of this worker's running jobs every ``interval`` seconds.
 
     Args:
         connect: opens a new autocommit connection.
@@ -77,11 +74,12 @@ class Heartbeat(threading.Thread):
         leases: the shared running set.
         lease: the worker's lease length in seconds (a job may carry its own).
         interval: seconds between renewals (< lease / 2, checked by the worker).
-        rescue_interval: seconds between rescuer runs; 0 disables the rescuer here.
         on_lost: called (from this thread) with (job id, lease_version, reason) for a job whose
             lease this worker no longer holds: the renewal found the token changed, or no
             renewal succeeded for a whole lease period (the database was unreachable or the
             process was stopped).
+        on_cancel: called (from this thread) with (job id, lease_version) for a job whose
+            cancellation was requested.
     """
 
     def __init__(
@@ -92,8 +90,8 @@ class Heartbeat(threading.Thread):
         *,
         lease: float,
         interval: float,
-        rescue_interval: float,
         on_lost: Callable[[int, int, str], None],
+        on_cancel: Callable[[int, int], None],
     ) -> None:
         super().__init__(name="skipjack-heartbeat", daemon=True)
         self._connect = connect
@@ -101,12 +99,12 @@ class Heartbeat(threading.Thread):
         self._leases = leases
         self._lease = lease
         self._interval = interval
-        self._rescue_interval = rescue_interval
         self._on_lost = on_lost
+        self._on_cancel = on_cancel
         self._stop = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
-        self._next_rescue = time.monotonic() + rescue_interval * random.uniform(0.1, 1.0)
         self._reconnect = ReconnectBackoff()
+        self._cancelled: set[tuple[int, int]] = set()
 
     def stop(self) -> None:
         """Ask the thread to end after its current step."""
@@ -116,44 +114,33 @@ class Heartbeat(threading.Thread):
         while not self._stop.wait(self._interval):
             try:
                 self._beat()
-                if self._rescue_interval and time.monotonic() >= self._next_rescue:
-                    rescue(self._connection(), self._q)
-                    jitter = random.uniform(0.8, 1.2)
-                    self._next_rescue = time.monotonic() + self._rescue_interval * jitter
                 self._reconnect.reset()
             except psycopg.Error as exc:
-                self._drop_connection()
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
                 log.warning("heartbeat: %s (retrying in %.1fs)", str(exc).strip(),
                             self._reconnect.peek())
                 self._stop.wait(self._reconnect.next())
             finally:
                 self._expire_local()
-        self._drop_connection()
-
-    def _connection(self) -> psycopg.Connection[Any]:
-        if self._conn is None or self._conn.closed:
-            self._conn = self._connect()
-        return self._conn
-
-    def _drop_connection(self) -> None:
         if self._conn is not None:
-            try:
-                self._conn.close()
-            finally:
-                self._conn = None
+            self._conn.close()
 
     def _beat(self) -> None:
         held = self._leases.snapshot()
         if not held:
             return
         started = time.monotonic()
-        rows = self._connection().execute(
+        if self._conn is None or self._conn.closed:
+            self._conn = self._connect()
+        rows = self._conn.execute(
             self._q.HEARTBEAT,
             {"lease": self._lease, "id": [x.id for x in held],
              "lease_version": [x.lease_version for x in held]},
         ).fetchall()
-        renewed = {r[0] for r in rows}
-        lost = []
+        renewed = {job_id: cancel for job_id, cancel in rows}
+        lost, cancel = [], []
         with self._leases.lock:
             for x in held:
                 current = self._leases.by_id.get(x.id)
@@ -161,11 +148,16 @@ class Heartbeat(threading.Thread):
                     continue
                 if x.id in renewed:
                     current.renewed_at = started
+                    if renewed[x.id] and (x.id, x.lease_version) not in self._cancelled:
+                        cancel.append(x)
                 elif not current.finishing:
                     del self._leases.by_id[x.id]
                     lost.append(x)
         for x in lost:
             self._on_lost(x.id, x.lease_version, "lease lost: the job was rescued or re-claimed")
+        for x in cancel:
+            self._cancelled.add((x.id, x.lease_version))
+            self._on_cancel(x.id, x.lease_version)
 
     def _expire_local(self) -> None:
         """A lease not renewed for a whole lease period may belong to another worker now."""

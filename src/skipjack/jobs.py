@@ -14,7 +14,8 @@ priority             integer, -100..100; higher runs first; default 0
 max_attempts         integer, 1..10,000; default 25
 run_at               an aware datetime (any zone; stored as UTC), or ``delay``
 delay                seconds (int/float) or timedelta, 0..10 years
-idempotency_key      1-255 bytes, no NUL
+idempotency_key      1-255 bytes, no NUL; unique among the jobs in ``unique_while``
+                     states (default: every state, i.e. forever)
 lease                seconds, 0.1..604,800 (7 days); default: the worker's lease
 ===================  ===========================================================
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -66,6 +68,40 @@ class JobSpec:
     delay: float | None = None
     idempotency_key: str | None = None
     lease: float | None = None
+    unique_states: int = 63
+
+
+STATES = ("scheduled", "available", "running", "succeeded", "discarded", "cancelled")
+_STATE_BITS = {state: 1 << i for i, state in enumerate(STATES)}  # as state_bit() in SQL
+
+
+def unique_states_mask(states: Iterable[str] | None) -> int:
+    """The bit mask of ``unique_while`` states (None: every state).
+
+    Raises:
+        ValidationError: not a collection of known state names, or empty.
+    """
+    if states is None:
+        return 63
+    names = [states] if isinstance(states, str) else list(states)
+    if isinstance(states, str) or not names or any(s not in _STATE_BITS for s in names):
+        raise ValidationError("unique_while", f"{states!r}: give a non-empty collection of "
+                              f"states from {STATES}")
+    mask = 0
+    for s in names:
+        mask |= _STATE_BITS[s]
+    return mask
+
+
+def check_timeout(value: object) -> float | None:
+    """Seconds of a per-task timeout; raises ValidationError outside 0.001..604,800."""
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not (
+            math.isfinite(value) and 0.001 <= value <= LEASE_MAX):
+        raise ValidationError("timeout", f"{value!r} is not a number of seconds in "
+                              f"0.001..{LEASE_MAX:.0f}")
+    return float(value)
 
 
 def check_name(field: str, value: object, max_bytes: int) -> str:

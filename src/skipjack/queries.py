@@ -18,25 +18,34 @@ from psycopg import sql
 # --- enqueue -------------------------------------------------------------------------------
 
 # Many jobs in one statement. Rows are inserted in array order (WITH ORDINALITY + ORDER BY),
-# so identity values grow in input order. Delays are seconds, added to the database clock.
+# so identity values grow in input order. Delays are seconds, added to the database clock;
+# a job due later waits in 'scheduled'. A key already held by a job in one of its
+# unique_states makes the row a no-op (the caller then reads the existing id).
 ENQUEUE = """
-INSERT INTO {schema}.jobs (queue, task, args, args_bytes, priority, max_attempts, run_at,
-                           idempotency_key, lease_seconds)
+INSERT INTO {schema}.jobs (queue, task, args, args_bytes, priority, max_attempts, run_at, state,
+                           idempotency_key, unique_states, lease_seconds)
 SELECT x.queue, x.task, x.args::jsonb, octet_length(x.args), x.priority, x.max_attempts,
-       coalesce(x.run_at, now() + make_interval(secs => coalesce(x.delay, 0))),
-       x.idempotency_key, x.lease_seconds
-  FROM unnest(%(queue)s::text[], %(task)s::text[], %(args)s::text[], %(priority)s::smallint[],
-              %(max_attempts)s::int[], %(run_at)s::timestamptz[], %(delay)s::float8[],
-              %(idempotency_key)s::text[], %(lease_seconds)s::float8[])
-       WITH ORDINALITY AS x(queue, task, args, priority, max_attempts, run_at, delay,
-                            idempotency_key, lease_seconds, ord)
+       x.at, CASE WHEN x.at > now() THEN 'scheduled' ELSE 'available' END,
+       x.idempotency_key, x.unique_states, x.lease_seconds
+  FROM (SELECT u.*, coalesce(u.run_at, now() + make_interval(secs => coalesce(u.delay, 0))) AS at
+          FROM unnest(%(queue)s::text[], %(task)s::text[], %(args)s::text[],
+                      %(priority)s::smallint[], %(max_attempts)s::int[],
+                      %(run_at)s::timestamptz[], %(delay)s::float8[],
+                      %(idempotency_key)s::text[], %(unique_states)s::smallint[],
+                      %(lease_seconds)s::float8[])
+               WITH ORDINALITY AS u(queue, task, args, priority, max_attempts, run_at, delay,
+                                    idempotency_key, unique_states, lease_seconds, ord)) AS x
  ORDER BY x.ord
-ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+ON CONFLICT (idempotency_key)
+   WHERE idempotency_key IS NOT NULL AND (unique_states & {schema}.state_bit(state)) <> 0
+   DO NOTHING
 RETURNING id, idempotency_key
 """
 
 EXISTING_KEYS = """
-SELECT id, idempotency_key FROM {schema}.jobs WHERE idempotency_key = ANY(%(keys)s::text[])
+SELECT id, idempotency_key FROM {schema}.jobs
+ WHERE idempotency_key = ANY(%(keys)s::text[])
+   AND (unique_states & {schema}.state_bit(state)) <> 0
 """
 
 # --- claim ---------------------------------------------------------------------------------
@@ -47,7 +56,9 @@ SELECT id, idempotency_key FROM {schema}.jobs WHERE idempotency_key = ANY(%(keys
 # Large args (serialised size over %(inline_bytes)s) are not returned here; see LOAD_ARGS.
 # held_tasks / held split lease-mode claims (held = false: every task but those) from claims
 # in an open transaction (held = true: only those), see Task.transaction = "claim".
-CLAIM = """
+# A paused queue, or one with a concurrency or rate limit, is not claimed by CLAIM: limited
+# queues go through LOCK_QUEUE + CLAIM_LIMITED, paused ones not at all.
+_CLAIM = """
 UPDATE {schema}.jobs AS j
    SET state = 'running',
        attempt = j.attempt + 1,
@@ -58,14 +69,64 @@ UPDATE {schema}.jobs AS j
   FROM (SELECT id FROM {schema}.jobs
          WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
            AND (task = ANY(%(held_tasks)s::text[])) = %(held)s
-         ORDER BY priority DESC, run_at, id
-         LIMIT %(limit)s
+           AND <<QUEUE_FILTER>>
+         ORDER BY <<ORDER>>
+         LIMIT <<LIMIT>>
            FOR UPDATE SKIP LOCKED) AS c
  WHERE j.id = c.id
 RETURNING j.id, j.queue, j.task,
           CASE WHEN j.args_bytes <= %(inline_bytes)s THEN j.args END AS args,
           j.priority, j.attempt, j.max_attempts, j.lease_version, j.created_at, j.run_at,
           j.attempted_at, j.idempotency_key, coalesce(j.lease_seconds, %(lease)s) AS lease
+"""
+_UNCONTROLLED = """NOT EXISTS (SELECT 1 FROM {schema}.queues AS q WHERE q.name = %(queue)s
+                  AND (q.paused OR q.concurrency_limit IS NOT NULL OR q.rate_limit IS NOT NULL))"""
+_PRIORITY_ORDER = "priority DESC, run_at, id"
+_OLDEST_ORDER = "run_at, id"  # every fairness_every-th claim: no priority can starve
+
+CLAIM = (_CLAIM.replace("<<QUEUE_FILTER>>", _UNCONTROLLED)
+         .replace("<<ORDER>>", _PRIORITY_ORDER).replace("<<LIMIT>>", "%(limit)s"))
+CLAIM_OLDEST = (_CLAIM.replace("<<QUEUE_FILTER>>", _UNCONTROLLED)
+                .replace("<<ORDER>>", _OLDEST_ORDER).replace("<<LIMIT>>", "%(limit)s"))
+
+# Controlled queues: LOCK_QUEUE (first statement of a transaction) serialises the claims of
+# one queue, so CLAIM_LIMITED (second statement, fresh snapshot) counts every claim that
+# committed before it. Only running jobs with a live lease count against the concurrency
+# limit; the rate window is opened or advanced here too.
+LOCK_QUEUE = """
+SELECT paused FROM {schema}.queues WHERE name = %(queue)s FOR UPDATE
+"""
+
+CLAIM_LIMITED = """
+WITH q AS (
+    SELECT q.*, q.window_start IS NULL
+                OR q.window_start + make_interval(secs => q.rate_period) <= now() AS new_window
+      FROM {schema}.queues AS q WHERE q.name = %(queue)s AND NOT q.paused
+), allowed AS (
+    SELECT greatest(0, least(
+             %(limit)s,
+             coalesce(q.concurrency_limit - (SELECT count(*) FROM {schema}.jobs AS r
+                                              WHERE r.queue = %(queue)s AND r.state = 'running'
+                                                AND r.lease_expires_at > now()), %(limit)s),
+             coalesce(q.rate_limit - CASE WHEN q.new_window THEN 0 ELSE q.window_count END,
+                      %(limit)s))) AS n
+      FROM q
+), claimed AS (
+""" + _CLAIM.replace("<<QUEUE_FILTER>>", "true").replace("<<ORDER>>", _PRIORITY_ORDER).replace(
+    "<<LIMIT>>", "coalesce((SELECT n FROM allowed), 0)").strip() + """
+), counted AS (
+    UPDATE {schema}.queues AS q
+       SET window_start = CASE WHEN q2.new_window THEN now() ELSE q.window_start END,
+           window_count = CASE WHEN q2.new_window THEN 0 ELSE q.window_count END
+                          + (SELECT count(*) FROM claimed)
+      FROM q AS q2
+     WHERE q.name = q2.name AND q.rate_limit IS NOT NULL
+)
+SELECT * FROM claimed
+"""
+
+CONTROLLED_QUEUES = """
+SELECT name FROM {schema}.queues WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL
 """
 
 # For claims held in an open transaction: the server ends the session, rolling the claim
@@ -82,10 +143,12 @@ SELECT args FROM {schema}.jobs WHERE id = %(id)s AND lease_version = %(lease_ver
 
 # One statement records a batch of outcomes. kind is one of
 #   'complete' -> succeeded;
-#   'retry'    -> available again after `delay` seconds, or discarded if attempts are used up;
+#   'retry'    -> runnable again after `delay` seconds, or discarded if attempts are used up;
 #   'discard'  -> discarded (dead letter) now;
-#   'release'  -> available after `delay` seconds, the attempt not counted (shutdown, or the
-#                 job's own transaction lost its connection to the database).
+#   'cancel'   -> cancelled now (a cancellation was requested while it ran);
+#   'release'  -> runnable after `delay` seconds, the attempt not counted (shutdown, snooze,
+#                 or the job's own transaction lost its connection to the database).
+# A job runnable later is 'scheduled', one runnable now 'available'.
 # Rows are matched on (id, lease_version, state = 'running'): stale outcomes change nothing
 # and are missing from RETURNING.
 RECORD_OUTCOMES = """
@@ -93,8 +156,9 @@ UPDATE {schema}.jobs AS j
    SET state = CASE
                  WHEN o.kind = 'complete' THEN 'succeeded'
                  WHEN o.kind = 'discard' THEN 'discarded'
-                 WHEN o.kind = 'release' THEN 'available'
-                 WHEN j.attempt >= j.max_attempts THEN 'discarded'
+                 WHEN o.kind = 'cancel' THEN 'cancelled'
+                 WHEN o.kind = 'retry' AND j.attempt >= j.max_attempts THEN 'discarded'
+                 WHEN o.delay > 0 THEN 'scheduled'
                  ELSE 'available'
                END,
        attempt = CASE WHEN o.kind = 'release' THEN j.attempt - 1 ELSE j.attempt END,
@@ -105,7 +169,7 @@ UPDATE {schema}.jobs AS j
                   ELSE j.run_at
                 END,
        finished_at = CASE
-                       WHEN o.kind IN ('complete', 'discard') THEN now()
+                       WHEN o.kind IN ('complete', 'discard', 'cancel') THEN now()
                        WHEN o.kind = 'retry' AND j.attempt >= j.max_attempts THEN now()
                      END,
        lease_expires_at = NULL,
@@ -123,13 +187,31 @@ RETURNING j.id, j.state
 """
 
 # Renew the leases of a batch of running jobs (fenced). Ids missing from RETURNING lost
-# their lease.
+# their lease; cancel_requested tells the worker to stop the handler.
 HEARTBEAT = """
 UPDATE {schema}.jobs AS j
    SET lease_expires_at = now() + make_interval(secs => coalesce(j.lease_seconds, %(lease)s))
   FROM unnest(%(id)s::bigint[], %(lease_version)s::bigint[]) AS h(id, lease_version)
  WHERE j.id = h.id AND j.lease_version = h.lease_version AND j.state = 'running'
-RETURNING j.id
+RETURNING j.id, j.cancel_requested
+"""
+
+# --- stager --------------------------------------------------------------------------------
+
+# Scheduled jobs that are due become available, oldest first, and their queues are woken.
+STAGE = """
+WITH due AS (
+    SELECT id FROM {schema}.jobs
+     WHERE state = 'scheduled' AND run_at <= now()
+     ORDER BY run_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), staged AS (
+    UPDATE {schema}.jobs AS j SET state = 'available' FROM due WHERE j.id = due.id
+    RETURNING j.queue
+)
+SELECT queue, count(*) AS jobs, pg_notify(%(channel)s, queue) IS NULL AS notified
+  FROM staged GROUP BY queue
 """
 
 # --- rescue --------------------------------------------------------------------------------
@@ -172,6 +254,12 @@ STATS = """
 SELECT queue, state, count(*) AS jobs FROM {schema}.jobs GROUP BY queue, state ORDER BY 1, 2
 """
 
+# How many jobs wait and run per queue: served by the partial indexes, whatever the history.
+QUEUE_DEPTH = """
+SELECT queue, state, count(*) FROM {schema}.jobs
+ WHERE state IN ('scheduled', 'available', 'running') GROUP BY queue, state ORDER BY 1, 2
+"""
+
 OLDEST_RUNNABLE = """
 SELECT queue, extract(epoch FROM now() - min(run_at))::float8 AS age_seconds
   FROM {schema}.jobs
@@ -192,8 +280,114 @@ SELECT id, queue, task, state, attempt, max_attempts, priority, run_at, created_
 GET_JOB = """
 SELECT id, queue, task, args, state, attempt, max_attempts, priority, run_at, created_at,
        attempted_at, finished_at, lease_expires_at, lease_version, worker, idempotency_key,
-       errors, result
+       cancel_requested, errors, result
   FROM {schema}.jobs WHERE id = %(id)s
+"""
+
+# --- cancellation --------------------------------------------------------------------------
+# Which jobs: given ids, and/or a queue, and/or a task (NULL matches all). Both statements
+# take rows in id order with SKIP LOCKED, so they never wait on (or deadlock with) workers or
+# pruners; the caller repeats them until CANCEL_PENDING finds nothing left.
+_CANCEL_FILTER = """(%(id)s::bigint[] IS NULL OR id = ANY(%(id)s::bigint[]))
+       AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+       AND (%(task)s::text IS NULL OR task = %(task)s)"""
+
+CANCEL_WAITING = """
+WITH c AS (
+    SELECT id FROM {schema}.jobs
+     WHERE state IN ('scheduled', 'available') AND """ + _CANCEL_FILTER + """
+     ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.jobs AS j SET state = 'cancelled', finished_at = now()
+  FROM c WHERE j.id = c.id
+RETURNING j.id
+"""
+
+REQUEST_CANCEL = """
+WITH c AS (
+    SELECT id FROM {schema}.jobs
+     WHERE state = 'running' AND NOT cancel_requested AND """ + _CANCEL_FILTER + """
+     ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.jobs AS j SET cancel_requested = true FROM c WHERE j.id = c.id
+RETURNING j.id
+"""
+
+CANCEL_PENDING = """
+SELECT count(*) FROM {schema}.jobs
+ WHERE (state IN ('scheduled', 'available') OR (state = 'running' AND NOT cancel_requested))
+   AND """ + _CANCEL_FILTER + """
+"""
+
+# --- retention -----------------------------------------------------------------------------
+
+# Delete finished jobs of the given states older than `age` seconds, oldest first, in a
+# batch locked with SKIP LOCKED (no waiting on workers, bulk cancels or other pruners).
+PRUNE = """
+WITH old AS (
+    SELECT id FROM {schema}.jobs
+     WHERE finished_at < now() - make_interval(secs => %(age)s)
+       AND state = ANY(%(states)s::text[])
+     ORDER BY finished_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {schema}.jobs AS j USING old WHERE j.id = old.id
+RETURNING j.id
+"""
+
+# Cron history older than `age` seconds, keeping each schedule's latest slot (where the
+# scheduler resumes from).
+PRUNE_CRON = """
+DELETE FROM {schema}.cron_slots AS c
+ WHERE c.recorded_at < now() - make_interval(secs => %(age)s)
+   AND c.slot < (SELECT max(slot) FROM {schema}.cron_slots AS l WHERE l.name = c.name)
+"""
+
+# --- queue controls ------------------------------------------------------------------------
+
+SET_PAUSED = """
+INSERT INTO {schema}.queues (name, paused) VALUES (%(queue)s, %(paused)s)
+ON CONFLICT (name) DO UPDATE SET paused = EXCLUDED.paused
+"""
+
+SET_LIMITS = """
+INSERT INTO {schema}.queues (name, concurrency_limit, rate_limit, rate_period)
+VALUES (%(queue)s, %(concurrency)s, %(rate)s, %(period)s)
+ON CONFLICT (name) DO UPDATE
+   SET concurrency_limit = EXCLUDED.concurrency_limit, rate_limit = EXCLUDED.rate_limit,
+       rate_period = EXCLUDED.rate_period, window_start = NULL, window_count = 0
+"""
+
+LIST_QUEUES = """
+SELECT name, paused, concurrency_limit, rate_limit, rate_period FROM {schema}.queues ORDER BY 1
+"""
+
+# --- cron ----------------------------------------------------------------------------------
+
+CRON_LAST_SLOT = "SELECT max(slot) FROM {schema}.cron_slots WHERE name = %(name)s"
+
+# Claim a slot; RETURNING is empty when another scheduler already has it.
+CRON_CLAIM_SLOT = """
+INSERT INTO {schema}.cron_slots (name, slot, status) VALUES (%(name)s, %(slot)s, 'enqueued')
+ON CONFLICT DO NOTHING
+RETURNING slot
+"""
+
+CRON_SET_JOB = """
+UPDATE {schema}.cron_slots SET job_id = %(job_id)s WHERE name = %(name)s AND slot = %(slot)s
+"""
+
+CRON_MISSED = """
+INSERT INTO {schema}.cron_slots (name, slot, status)
+SELECT %(name)s, s, 'missed' FROM unnest(%(slots)s::timestamptz[]) AS s
+ON CONFLICT DO NOTHING
+"""
+
+CRON_LIST = """
+SELECT name, max(slot) FILTER (WHERE status = 'enqueued') AS last_enqueued,
+       count(*) FILTER (WHERE status = 'missed') AS missed
+  FROM {schema}.cron_slots GROUP BY name ORDER BY name
 """
 
 # Re-enqueue a discarded (dead-letter) job: a fresh set of attempts, runnable now.
@@ -211,6 +405,8 @@ SELECT count(*) FILTER (WHERE attempt > 1) AS retried,
        extract(epoch FROM max(finished_at) - min(created_at))::float8 AS span_seconds
   FROM {schema}.jobs
 """
+
+DB_NOW = "SELECT now()"
 
 DROP_SCHEMA = "DROP SCHEMA IF EXISTS {schema} CASCADE"
 

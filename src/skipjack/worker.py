@@ -40,10 +40,11 @@ from . import transactional
 from .app import CONNECT_KWARGS, Task
 from .completer import Completer, Outcome, WorkerStats, close_quietly, error_json, outcome_params
 from .context import Job, JobContext, set_current
-from .errors import ConfigError, Discard
+from .errors import ConfigError, Discard, Snooze
 from .heartbeat import Heartbeat, Leases
 from .jobs import QUEUE_MAX_BYTES, check_name, dump_result
 from .listener import listen
+from .maintenance import Maintenance
 from .reconnect import Backoff as ReconnectBackoff
 from .retry import Backoff
 
@@ -78,6 +79,14 @@ class Worker:
             notifications (default 5).
         rescue_interval: seconds between rescuer runs in this worker (default lease / 2, at
             most 15).
+        stage_interval: seconds between stager runs, which make due scheduled jobs
+            (delayed, retried) available (default 1).
+        retention: seconds to keep succeeded and cancelled jobs; this worker then prunes
+            older ones (default None: no pruning here).
+        discarded_retention: seconds to keep discarded jobs (default 10 x retention).
+        fairness_every: every n-th claim from a queue takes the oldest runnable jobs
+            whatever their priority, so no priority waits forever (0 disables: strict
+            priority, where a steady stream of higher priorities starves lower ones).
         shutdown_grace: seconds running jobs get to finish after SIGTERM; the rest are then
             released back to their queue, their attempt not counted.
         name: the worker's name stored on claimed rows (default host:pid:random). Only for
@@ -99,6 +108,10 @@ class Worker:
     heartbeat: float | None = None
     poll_interval: float = 5.0
     rescue_interval: float | None = None
+    stage_interval: float = 1.0
+    retention: float | None = None
+    discarded_retention: float | None = None
+    fairness_every: int = 10
     shutdown_grace: float = 30.0
     name: str = ""
     listen_health_interval: float = 10.0
@@ -127,7 +140,8 @@ class Worker:
             )
         if self.rescue_interval is None:
             self.rescue_interval = min(self.lease / 2, 15.0)
-        for name in ("poll_interval", "rescue_interval", "listen_health_interval"):
+        for name in ("poll_interval", "rescue_interval", "listen_health_interval",
+                     "stage_interval"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
         if self.shutdown_grace < 0:
@@ -140,6 +154,8 @@ class Worker:
         self._held_busy = 0
         self._held_runners: set[asyncio.Task[None]] = set()
         self._held_names: list[str] = []
+        self._controlled: set[str] = set()
+        self._claims = dict.fromkeys(self._queues, 0)
         self._held_timeout_ms = 0
         self._default_backoff = Backoff()
         self._stop_requested = False
@@ -198,7 +214,7 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._completer = Completer(self.app, self._leases, self.stats, self._retry_later)
+        self._completer = Completer(self.app, self._leases, self.stats)
         self._large_args = asyncio.Semaphore(self.large_args_concurrency)
         await self._open_pools()
         if self._stop_requested:
@@ -211,10 +227,16 @@ class Worker:
             self._leases,
             lease=self.lease,
             interval=self.heartbeat or 1.0,
-            rescue_interval=self.rescue_interval or 1.0,
-            on_lost=self._lease_lost_threadsafe,
+            on_lost=self._threadsafe(self._lease_lost),
+            on_cancel=self._threadsafe(self._cancel_requested),
         )
+        maintenance = Maintenance(
+            self.app, stage_interval=self.stage_interval,
+            rescue_interval=self.rescue_interval or 1.0, retention=self.retention,
+            discarded_retention=self.discarded_retention,
+            on_staged=self._threadsafe(self._mark_due))
         heartbeat.start()
+        maintenance.start()
         log.info("worker %s serving %s (concurrency %d) on %s", self.name,
                  ", ".join(self.queues), self.concurrency, _safe_dsn(dsn))
         producer = asyncio.create_task(self._produce(), name="skipjack-producer")
@@ -243,6 +265,7 @@ class Worker:
                 t.cancel()
             await asyncio.gather(*helpers, stopping, return_exceptions=True)
             heartbeat.stop()
+            maintenance.stop()
             self._threads.shutdown(wait=False, cancel_futures=True)
             if self._apool is not None:
                 await self._apool.close()
@@ -302,9 +325,6 @@ class Worker:
             self._due[queue] = self._held_due[queue] = True
             self._wakeup.set()
 
-    def _retry_later(self, queue: str, delay: float) -> None:
-        self._loop.call_later(delay, self._mark_due, queue)
-
     def _mark_all_due(self) -> None:
         for q in self._due:
             self._due[q] = self._held_due[q] = True
@@ -324,11 +344,13 @@ class Worker:
         backoff = ReconnectBackoff()
         next_poll = loop.time() + self.poll_interval
         start = 0
+        refresh = True
         try:
             while not self._stopping.is_set():
                 if loop.time() >= next_poll:
                     self._mark_all_due()
                     next_poll = loop.time() + self.poll_interval
+                    refresh = True  # re-read which queues are limited
                 self._wakeup.clear()
                 order = self._queues[start:] + self._queues[:start]
                 start = (start + 1) % len(self._queues)
@@ -347,9 +369,11 @@ class Worker:
                     try:
                         if conn is None or conn.closed:
                             conn = await self.app.connect_async()
-                        cur = await conn.execute(self.app.queries.CLAIM,
-                                                 self._claim_params(queue, want, held=False))
-                        rows = await cur.fetchall()
+                        if refresh:
+                            cur = await conn.execute(self.app.queries.CONTROLLED_QUEUES)
+                            self._controlled = {r[0] for r in await cur.fetchall()}
+                            refresh = False
+                        rows = await self._claim(conn, queue, want)
                         backoff.reset()
                     except psycopg.Error as exc:
                         await close_quietly(conn)
@@ -432,6 +456,21 @@ class Worker:
 
     # --- lease-mode execution -------------------------------------------------------------
 
+    async def _claim(self, conn: psycopg.AsyncConnection[Any], queue: str,
+                     want: int) -> list[Any]:
+        """One claim from one queue: through the queue's lock when it is limited; every
+        ``fairness_every``-th claim oldest-first instead of by priority."""
+        q = self.app.queries
+        params = self._claim_params(queue, want, held=False)
+        if queue in self._controlled:
+            async with conn.transaction():
+                await conn.execute(q.LOCK_QUEUE, {"queue": queue})
+                return await (await conn.execute(q.CLAIM_LIMITED, params)).fetchall()
+        self._claims[queue] += 1
+        oldest = self.fairness_every and self._claims[queue] % self.fairness_every == 0
+        return await (await conn.execute(q.CLAIM_OLDEST if oldest else q.CLAIM,
+                                         params)).fetchall()
+
     def _start(self, job: Job) -> None:
         self.stats.claimed += 1
         ctx = JobContext(job)
@@ -463,19 +502,23 @@ class Worker:
                 self._completer.count(Outcome(job.id, job.lease_version, job.queue, "complete"),
                             "succeeded" if result else None)
             elif ctx.cancelled.is_set():
-                outcome = self._after_cancel(job, ctx)
+                outcome = self._after_cancel(job, task, ctx)
             else:
                 outcome = Outcome(job.id, job.lease_version, job.queue, "complete",
                                   result=dump_result(result))
         except asyncio.CancelledError:
-            outcome = self._after_cancel(job, ctx)
+            outcome = self._after_cancel(job, task, ctx)
+        except Snooze as exc:
+            outcome = Outcome(job.id, job.lease_version, job.queue, "release", delay=exc.seconds)
         except Exception as exc:
             if ctx.cancelled.is_set():
-                outcome = self._after_cancel(job, ctx)
+                outcome = self._after_cancel(job, task, ctx, exc)
             else:
                 outcome = self._failure(job, task, exc)
         finally:
             self._running.pop(job.id, None)
+            if job.queue in self._controlled:
+                self._due[job.queue] = True  # a slot of its limit may be free again
             self._wakeup.set()
         if outcome is None:
             self._leases.remove(job.id, job.lease_version)
@@ -497,6 +540,16 @@ class Worker:
                        delay=backoff.delay(job.attempt), error=error)
 
     async def _call(self, running: _Running, task: Task, args: dict[str, Any]) -> Any:
+        """Run the handler within the task's timeout (see :meth:`_call_now`)."""
+        if task.timeout is None:
+            return await self._call_now(running, task, args)
+        try:
+            return await asyncio.wait_for(self._call_now(running, task, args), task.timeout)
+        except TimeoutError:
+            running.ctx.cancel(f"timed out after {task.timeout}s")
+            raise
+
+    async def _call_now(self, running: _Running, task: Task, args: dict[str, Any]) -> Any:
         """Run the handler; for transaction="complete" tasks, return whether the completion
         committed (see :mod:`skipjack.transactional`), else the handler's result."""
         fn, q, ctx = task.fn, self.app.queries, running.ctx
@@ -523,10 +576,16 @@ class Worker:
         call = functools.partial(contextvars.copy_context().run, fn)
         return await asyncio.get_running_loop().run_in_executor(self._threads, call)
 
-    def _after_cancel(self, job: Job, ctx: JobContext) -> Outcome | None:
+    def _after_cancel(self, job: Job, task: Task | None, ctx: JobContext,
+                      exc: BaseException | None = None) -> Outcome | None:
+        """The outcome of a handler stopped by the worker, by ``ctx.reason``."""
         if ctx.reason.startswith("lease"):
             return None  # the job belongs to someone else now: write nothing
-        return Outcome(job.id, job.lease_version, job.queue, "release")
+        if ctx.reason == "cancel requested":
+            return Outcome(job.id, job.lease_version, job.queue, "cancel")
+        if ctx.reason.startswith("timed out"):
+            return self._failure(job, task, TimeoutError(ctx.reason))
+        return Outcome(job.id, job.lease_version, job.queue, "release")  # shutting down
 
     async def _load_args(self, job: Job) -> dict[str, Any]:
         async with await self.app.connect_async() as conn:
@@ -538,8 +597,22 @@ class Worker:
         args: dict[str, Any] = row[0]
         return args
 
-    def _lease_lost_threadsafe(self, job_id: int, lease_version: int, reason: str) -> None:
-        self._loop.call_soon_threadsafe(self._lease_lost, job_id, lease_version, reason)
+    def _threadsafe(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """``fn`` as a callback other threads may call: it runs on the event loop."""
+
+        def call(*args: Any) -> None:
+            self._loop.call_soon_threadsafe(fn, *args)
+
+        return call
+
+    def _cancel_requested(self, job_id: int, lease_version: int) -> None:
+        running = self._running.get(job_id)
+        if running is None or running.job.lease_version != lease_version:
+            return
+        log.info("job %s: cancellation requested; cancelling its handler", job_id)
+        running.ctx.cancel("cancel requested")
+        if running.is_async and running.task is not None:
+            running.task.cancel()
 
     def _lease_lost(self, job_id: int, lease_version: int, reason: str) -> None:
         running = self._running.get(job_id)

@@ -1,0 +1,180 @@
+"""Operating the queue: inspect jobs, cancel them, re-enqueue the dead letter, pause and limit
+queues, prune history. :class:`skipjack.App` has these methods."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+import psycopg.rows
+
+from .errors import ValidationError
+from .jobs import QUEUE_MAX_BYTES, check_name
+from .maintenance import BATCH, prune
+from .queries import Queries
+
+
+class Control:
+    """Methods of :class:`skipjack.App` for people and operators (mixed into App)."""
+
+    queries: Queries
+
+    def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
+        raise NotImplementedError  # provided by App
+
+    # --- inspection ----------------------------------------------------------------------
+
+    def stats(self, discarded_limit: int = 10) -> dict[str, Any]:
+        """Queue depth for people and monitors; fast however much history the table holds.
+
+        Returns:
+            ``{"queues": {queue: {state: count}}`` for scheduled, available and running jobs,
+            ``"oldest_runnable_seconds": {queue: age}`` (database clock) and
+            ``"discarded": [the newest discarded jobs]}``.
+        """
+        q = self.queries
+        with self.connect() as conn:
+            counts: dict[str, dict[str, int]] = {}
+            for queue, state, n in conn.execute(q.QUEUE_DEPTH).fetchall():
+                counts.setdefault(queue, {})[state] = n
+            oldest = dict(conn.execute(q.OLDEST_RUNNABLE).fetchall())
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            discarded = cur.execute(q.LIST_JOBS, {"state": "discarded", "queue": None,
+                                                  "limit": discarded_limit}).fetchall()
+        return {"queues": counts, "oldest_runnable_seconds": oldest, "discarded": discarded}
+
+    def state_counts(self) -> dict[str, dict[str, int]]:
+        """Exact counts per queue and state, finished ones included (scans the history)."""
+        counts: dict[str, dict[str, int]] = {}
+        with self.connect() as conn:
+            for queue, state, n in conn.execute(self.queries.STATS).fetchall():
+                counts.setdefault(queue, {})[state] = n
+        return counts
+
+    def list_jobs(self, *, state: str | None = None, queue: str | None = None,
+                  limit: int = 50) -> list[dict[str, Any]]:
+        """The newest ``limit`` jobs, optionally of one state and queue, as dicts."""
+        with self.connect() as conn:
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            return cur.execute(self.queries.LIST_JOBS,
+                               {"state": state, "queue": queue, "limit": limit}).fetchall()
+
+    def get_job(self, job_id: int) -> dict[str, Any] | None:
+        """Every column of one job, or None if there is no such job."""
+        with self.connect() as conn:
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            return cur.execute(self.queries.GET_JOB, {"id": job_id}).fetchone()
+
+    # --- dead letter and cancellation ----------------------------------------------------
+
+    def retry_discarded(self, ids: Sequence[int]) -> list[int]:
+        """Put discarded jobs back in their queue with a fresh set of attempts.
+
+        Returns the ids that were discarded and are now available (others are ignored).
+        """
+        with self.connect() as conn:
+            rows = conn.execute(self.queries.RETRY_DISCARDED, {"id": list(ids)}).fetchall()
+        return [r[0] for r in rows]
+
+    def cancel(self, ids: Sequence[int] | None = None, *, queue: str | None = None,
+               task: str | None = None, timeout: float = 60.0) -> dict[str, int]:
+        """Cancel jobs: waiting ones (scheduled, available) at once; running ones by request
+        (the worker is told at its next heartbeat: async handlers are cancelled, sync ones see
+        ``current_job().cancelled``; the job ends ``cancelled``, or ``succeeded`` if it
+        finished first). Finished jobs are left alone.
+
+        Args:
+            ids: job ids; and/or ``queue`` and/or ``task`` to cancel in bulk. At least one.
+            timeout: seconds to keep going while workers hold some of the rows.
+
+        Returns:
+            ``{"cancelled": n, "requested": m}``.
+
+        Raises:
+            ValidationError: no selector given.
+        """
+        if ids is None and queue is None and task is None:
+            raise ValidationError("cancel", "give ids, queue or task")
+        q = self.queries
+        params = {"id": list(ids) if ids is not None else None, "queue": queue, "task": task,
+                  "limit": BATCH}
+        done = {"cancelled": 0, "requested": 0}
+        deadline = time.monotonic() + timeout
+        with self.connect() as conn:
+            while True:
+                cancelled = len(conn.execute(q.CANCEL_WAITING, params).fetchall())
+                requested = len(conn.execute(q.REQUEST_CANCEL, params).fetchall())
+                done["cancelled"] += cancelled
+                done["requested"] += requested
+                if cancelled or requested:
+                    continue
+                row = conn.execute(q.CANCEL_PENDING, params).fetchone()
+                if not row or not row[0] or time.monotonic() > deadline:
+                    return done
+                time.sleep(0.01)  # rows locked by a claim in flight: they are running soon
+
+    # --- queues --------------------------------------------------------------------------
+
+    def pause_queue(self, queue: str) -> None:
+        """Stop every worker from claiming from ``queue`` (running jobs go on)."""
+        self._set_paused(queue, True)
+
+    def resume_queue(self, queue: str) -> None:
+        """Let workers claim from ``queue`` again."""
+        self._set_paused(queue, False)
+
+    def _set_paused(self, queue: str, paused: bool) -> None:
+        check_name("queue", queue, QUEUE_MAX_BYTES)
+        with self.connect() as conn:
+            conn.execute(self.queries.SET_PAUSED, {"queue": queue, "paused": paused})
+
+    def set_queue_limits(self, queue: str, *, concurrency: int | None = None,
+                         rate: int | None = None, period: float | None = None) -> None:
+        """Limit ``queue`` across every worker and host (None removes a limit).
+
+        Args:
+            concurrency: the most jobs running at once with a live lease (>= 1).
+            rate: the most starts per ``period`` seconds (>= 1, with ``period`` > 0). A window
+                opens at the first claim after the previous one closed.
+
+        Workers pick a new limit up within one poll interval. Limits are enforced for
+        lease-mode tasks; a ``transaction="claim"`` task's running jobs are invisible to
+        other sessions and do not count.
+
+        Raises:
+            ValidationError: a limit below 1, or a rate without a period.
+        """
+        check_name("queue", queue, QUEUE_MAX_BYTES)
+        if concurrency is not None and concurrency < 1:
+            raise ValidationError("concurrency", f"{concurrency} must be >= 1")
+        if (rate is None) != (period is None) or (rate is not None and rate < 1) or (
+                period is not None and not period > 0):
+            raise ValidationError("rate", "give rate >= 1 and period > 0 seconds together")
+        with self.connect() as conn:
+            conn.execute(self.queries.SET_LIMITS, {"queue": queue, "concurrency": concurrency,
+                                                   "rate": rate, "period": period})
+
+    def queues(self) -> list[dict[str, Any]]:
+        """Every queue with a setting (paused or limited)."""
+        with self.connect() as conn:
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            return cur.execute(self.queries.LIST_QUEUES).fetchall()
+
+    # --- retention -----------------------------------------------------------------------
+
+    def prune(self, retention: float, discarded_retention: float | None = None,
+              batch: int = BATCH) -> int:
+        """Delete finished jobs older than ``retention`` seconds (discarded ones older than
+        ``discarded_retention``, default ten times as long), batch by batch until none is
+        left. Safe beside workers, bulk cancels and other pruners. Returns the rows deleted.
+        """
+        total = 0
+        with self.connect() as conn:
+            while True:
+                deleted = prune(conn, self.queries, retention=retention,
+                                discarded_retention=discarded_retention, limit=batch)
+                total += deleted
+                if not deleted:
+                    return total
