@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from skipjack import App, Backoff, current_job
+from skipjack import App, Backoff, Snooze, current_job
 
 SCHEMA = os.environ.get("SKIPJACK_SCHEMA", "skipjack")
 app = App(schema=SCHEMA)
@@ -149,6 +149,41 @@ def _starts() -> int:
 def slow_query(seconds: float) -> None:
     log_event("start")
     _conn().execute("SELECT pg_sleep(%s)", [seconds])
+    log_event("finish")
+
+
+@app.task(name="slow_async", timeout=0.5, max_attempts=2, backoff=Backoff(base=0.05, cap=0.1))
+async def slow_async(seconds: float) -> None:
+    await asyncio.to_thread(log_event, "start")
+    await asyncio.sleep(seconds)
+    await asyncio.to_thread(log_event, "finish")
+
+
+@app.task(name="slow_sync", timeout=0.5, max_attempts=1)
+def slow_sync(seconds: float) -> None:
+    log_event("start")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not current_job().cancelled.is_set():
+        time.sleep(0.01)
+    log_event("finish")
+
+
+@app.task(name="sync_wait")
+def sync_wait(seconds: float) -> None:
+    """A sync handler that stops early when its job is cancelled."""
+    log_event("start")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        current_job().raise_if_cancelled()
+        time.sleep(0.01)
+    log_event("finish")
+
+
+@app.task(name="snooze_once")
+def snooze_once() -> None:
+    log_event("start")
+    if _starts() == 1:
+        raise Snooze(0.5)
     log_event("finish")
 
 

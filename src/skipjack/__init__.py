@@ -14,6 +14,7 @@ from .errors import (
     JobCancelled,
     SchemaVersionError,
     SkipjackError,
+    Snooze,
     ValidationError,
 )
 from .jobs import JobSpec
@@ -32,6 +33,7 @@ __all__ = [
     "JobSpec",
     "SchemaVersionError",
     "SkipjackError",
+    "Snooze",
     "Task",
     "ValidationError",
     "Worker",

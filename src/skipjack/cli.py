@@ -73,20 +73,33 @@ def migrate(ctx: click.Context) -> None:
 @click.option("--rescue-interval", default=None, type=float, help="Seconds [lease/2, at most 15].")
 @click.option("--grace", default=30.0, show_default=True, type=float,
               help="Seconds running jobs get after SIGTERM.")
+@click.option("--stage-interval", default=1.0, show_default=True, type=float,
+              help="Seconds between runs of the stager (makes due scheduled jobs runnable).")
+@click.option("--retention", default=None,
+              help="Prune succeeded/cancelled jobs older than this (e.g. 7d) [never].")
+@click.option("--discarded-retention", default=None,
+              help="Prune discarded jobs older than this [10 x retention].")
+@click.option("--fairness-every", default=10, show_default=True, type=click.IntRange(0),
+              help="Every n-th claim of a queue takes the oldest jobs whatever their "
+                   "priority (0: strict priority).")
 @click.option("--name", default="", help="Worker name shown on claimed jobs.")
 @click.option("--migrate/--no-migrate", default=False, help="Migrate the schema first.")
 @click.pass_context
 def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurrency: int,
            batch_size: int | None, lease: float, heartbeat: float | None,
-           poll_interval: float, rescue_interval: float | None, grace: float, name: str,
-           migrate: bool) -> None:
+           poll_interval: float, rescue_interval: float | None, grace: float,
+           stage_interval: float, retention: str | None, discarded_retention: str | None,
+           fairness_every: int, name: str, migrate: bool) -> None:
     """Run a worker for the tasks of MODULE:APP."""
     from .worker import Worker
 
     app = load_app(app_path, ctx.obj["dsn"], None)
     w = Worker(app, list(queues), concurrency=concurrency, batch_size=batch_size, lease=lease,
                heartbeat=heartbeat, poll_interval=poll_interval, rescue_interval=rescue_interval,
-               shutdown_grace=grace, name=name)
+               shutdown_grace=grace, stage_interval=stage_interval,
+               retention=_seconds(retention) if retention else None,
+               discarded_retention=_seconds(discarded_retention) if discarded_retention else None,
+               fairness_every=fairness_every, name=name)
     if migrate:
         app.migrate()
     w.run()
@@ -98,14 +111,15 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_context
 def stats(ctx: click.Context, as_json: bool) -> None:
-    """Counts per queue and state, the oldest runnable job's age, and discarded jobs."""
+    """Queue depth (scheduled, available, running), the oldest runnable job's age, and the
+    newest discarded jobs."""
     data = _app(ctx).stats()
     if as_json:
         click.echo(json.dumps(data, default=str))
         return
     console = Console()
     table = Table(title="jobs")
-    states = ["available", "running", "succeeded", "discarded", "cancelled"]
+    states = ["scheduled", "available", "running"]
     for col in ["queue", *states, "oldest runnable (s)"]:
         table.add_column(col, justify="left" if col == "queue" else "right")
     for queue, counts in sorted(data["queues"].items()):
@@ -163,6 +177,114 @@ def jobs_retry(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
         raise click.ClickException(f"not discarded (left alone): {missing}")
 
 
+@jobs.command("cancel")
+@click.argument("job_ids", type=int, nargs=-1)
+@click.option("--queue", default=None, help="Cancel every waiting or running job of a queue.")
+@click.option("--task", default=None, help="Cancel every waiting or running job of a task.")
+@click.pass_context
+def jobs_cancel(ctx: click.Context, job_ids: tuple[int, ...], queue: str | None,
+                task: str | None) -> None:
+    """Cancel jobs: waiting ones at once, running ones by request to their worker."""
+    if not (job_ids or queue or task):
+        raise click.UsageError("give job ids, --queue or --task")
+    done = _app(ctx).cancel(list(job_ids) or None, queue=queue, task=task)
+    click.echo(f"cancelled {done['cancelled']}, cancellation requested for "
+               f"{done['requested']} running")
+
+
+@jobs.command("discard")
+@click.argument("job_ids", type=int, nargs=-1, required=True)
+@click.pass_context
+def jobs_discard(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
+    """Send waiting jobs to the dead letter (running ones are left alone)."""
+    done = _app(ctx).discard(job_ids)
+    click.echo(f"discarded {done}")
+    missing = sorted(set(job_ids) - set(done))
+    if missing:
+        raise click.ClickException(f"not waiting (left alone): {missing}")
+
+
+@main.group()
+def queues() -> None:
+    """Pause, resume and limit queues across every worker."""
+
+
+@queues.command("list")
+@click.pass_context
+def queues_list(ctx: click.Context) -> None:
+    """Queues with a setting, one JSON object a line."""
+    for row in _app(ctx).queues():
+        click.echo(json.dumps(row))
+
+
+@queues.command("pause")
+@click.argument("queue")
+@click.pass_context
+def queues_pause(ctx: click.Context, queue: str) -> None:
+    """Stop claiming from QUEUE (running jobs go on)."""
+    _app(ctx).pause_queue(queue)
+    click.echo(f"paused {queue}")
+
+
+@queues.command("resume")
+@click.argument("queue")
+@click.pass_context
+def queues_resume(ctx: click.Context, queue: str) -> None:
+    """Claim from QUEUE again."""
+    _app(ctx).resume_queue(queue)
+    click.echo(f"resumed {queue}")
+
+
+@queues.command("limit")
+@click.argument("queue")
+@click.option("--concurrency", type=click.IntRange(1), default=None,
+              help="At most this many running at once, across all workers.")
+@click.option("--rate", type=click.IntRange(1), default=None, help="At most this many starts...")
+@click.option("--per", "period", default=None, help="...per this period (e.g. 1s, 60s).")
+@click.pass_context
+def queues_limit(ctx: click.Context, queue: str, concurrency: int | None, rate: int | None,
+                 period: str | None) -> None:
+    """Set QUEUE's limits (an option left out removes that limit)."""
+    _app(ctx).set_queue_limits(queue, concurrency=concurrency, rate=rate,
+                               period=_seconds(period) if period else None)
+    click.echo(f"{queue}: concurrency {concurrency or 'unlimited'}, rate "
+               f"{f'{rate} per {period}' if rate else 'unlimited'}")
+
+
+@main.command("prune")
+@click.option("--retention", default="7d", show_default=True,
+              help="Keep succeeded and cancelled jobs this long (e.g. 12h, 7d).")
+@click.option("--discarded-retention", default=None,
+              help="Keep discarded jobs this long [10 x retention].")
+@click.pass_context
+def prune_command(ctx: click.Context, retention: str, discarded_retention: str | None) -> None:
+    """Delete finished jobs past their retention, in small batches."""
+    deleted = _app(ctx).prune(_seconds(retention),
+                              _seconds(discarded_retention) if discarded_retention else None)
+    click.echo(f"deleted {deleted} jobs")
+
+
+@main.group()
+def cron() -> None:
+    """Periodic jobs."""
+
+
+@cron.command("list")
+@click.argument("app_path", metavar="MODULE:APP")
+@click.pass_context
+def cron_list(ctx: click.Context, app_path: str) -> None:
+    """The schedules of MODULE:APP: expression, zone, last slot enqueued, missed slots."""
+    app = load_app(app_path, ctx.obj["dsn"], None)
+    with app.connect() as conn:
+        seen = {r[0]: r[1:] for r in conn.execute(app.queries.CRON_LIST).fetchall()}
+    for name, entry in sorted(app.crons.items()):
+        last, missed = seen.get(name, (None, 0))
+        click.echo(json.dumps({"name": name, "cron": entry.schedule.expr,
+                               "tz": entry.schedule.tz, "task": entry.task.name,
+                               "last_enqueued": str(last) if last else None,
+                               "missed": missed}))
+
+
 @main.command()
 @click.option("--jobs", "n_jobs", default=5000, show_default=True,
               type=click.IntRange(1, 1_000_000))
@@ -188,14 +310,16 @@ def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
 
 
 def _seconds(value: str) -> float:
-    """'2s', '500ms', '1.5' (seconds) -> seconds."""
+    """'500ms', '2s', '5m', '12h', '7d' or a plain number of seconds -> seconds."""
     text = value.strip().lower()
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
     try:
-        if text.endswith("ms"):
-            return float(text[:-2]) / 1000
-        return float(text[:-1] if text.endswith("s") else text)
+        for suffix in ("ms", "s", "m", "h", "d"):
+            if text.endswith(suffix):
+                return float(text[: -len(suffix)]) * units[suffix]
+        return float(text)
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not a duration like 2s or 500ms") from None
+        raise click.BadParameter(f"{value!r} is not a duration like 2s, 500ms or 7d") from None
 
 
 @main.command()

@@ -162,6 +162,7 @@ class Completer:
             log.warning("job %s discarded (dead letter)", o.id)
         else:
             self._stats.retried += 1  # the stager makes it runnable when its delay is over
+            log.info("job %s: attempt failed, retrying in %.1fs", o.id, o.delay)
 
 
 async def close_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:

@@ -78,6 +78,13 @@ class Control:
             rows = conn.execute(self.queries.RETRY_DISCARDED, {"id": list(ids)}).fetchall()
         return [r[0] for r in rows]
 
+    def discard(self, ids: Sequence[int]) -> list[int]:
+        """Send waiting (scheduled or available) jobs to the dead letter; returns those moved.
+        Running jobs are left alone: cancel them instead."""
+        with self.connect() as conn:
+            rows = conn.execute(self.queries.DISCARD_WAITING, {"id": list(ids)}).fetchall()
+        return [r[0] for r in rows]
+
     def cancel(self, ids: Sequence[int] | None = None, *, queue: str | None = None,
                task: str | None = None, timeout: float = 60.0) -> dict[str, int]:
         """Cancel jobs: waiting ones (scheduled, available) at once; running ones by request

@@ -155,7 +155,7 @@ def run_demo(
 
     elapsed = asyncio.run(main())
     receiver.shutdown()
-    counts = {state: n for by_state in app.stats()["queues"].values()
+    counts = {state: n for by_state in app.state_counts().values()
               for state, n in by_state.items()}
     with app.connect() as conn:
         retried, span = conn.execute(app.queries.RUN_SUMMARY).fetchone() or (0, None)
@@ -182,5 +182,5 @@ def _round(value: float | None) -> float | None:
 
 
 def _finished(app: App) -> int:
-    counts = app.stats(discarded_limit=0)["queues"].get("webhooks", {})
+    counts = app.state_counts().get("webhooks", {})
     return int(counts.get("succeeded", 0) + counts.get("discarded", 0))

@@ -284,6 +284,13 @@ SELECT id, queue, task, args, state, attempt, max_attempts, priority, run_at, cr
   FROM {schema}.jobs WHERE id = %(id)s
 """
 
+# Send waiting jobs to the dead letter by hand (running ones are left alone).
+DISCARD_WAITING = """
+UPDATE {schema}.jobs SET state = 'discarded', finished_at = now()
+ WHERE id = ANY(%(id)s::bigint[]) AND state IN ('scheduled', 'available')
+RETURNING id
+"""
+
 # --- cancellation --------------------------------------------------------------------------
 # Which jobs: given ids, and/or a queue, and/or a task (NULL matches all). Both statements
 # take rows in id order with SKIP LOCKED, so they never wait on (or deadlock with) workers or

@@ -1,0 +1,325 @@
+"""Scheduling and job control on a real server: delays, priorities, fairness, unique keys,
+cancellation, timeouts, snooze, paused and limited queues, retention."""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from skipjack import App, DuplicateJobError
+from skipjack.maintenance import rescue, stage
+from test_claim_fencing import claim, expire
+
+from support import WorkerProcess, create_log_tables, exec_counts, query, states, wait_until
+
+FAST = ["--lease", "2", "--heartbeat", "0.3", "--rescue-interval", "0.5", "--poll-interval",
+        "0.5"]
+TASKS = ("sleep", "async_sleep", "slow_async", "slow_sync", "sync_wait", "snooze_once", "fail")
+
+
+@pytest.fixture
+def tasks(app: App) -> App:
+    create_log_tables(app.dsn, app.schema)
+    for name in (*TASKS, "t"):
+        app.task(name=name)(lambda **kw: None)
+    return app
+
+
+def enqueue(app: App, task: str, n: int = 1, queue: str = "default", **args: Any) -> list[int]:
+    t = app.tasks[task].configure(queue=queue)
+    with app.connect() as conn:
+        return app.enqueue_many([t.job(**args) for _ in range(n)], conn=conn)
+
+
+# --- delayed jobs ---------------------------------------------------------------------------
+
+def test_future_jobs_wait_in_scheduled_and_are_staged_when_due(tasks: App) -> None:
+    t = tasks.tasks["t"].configure(queue="q")
+    later = t.configure(delay=3600).enqueue()
+    soon = t.configure(delay=0.2).enqueue()
+    assert states(tasks.dsn, tasks.schema) == {"scheduled": 2}
+    with tasks.connect() as conn:
+        wait_until(lambda: stage(conn, tasks.queries, tasks.schema) == {"q": 1}, timeout=10,
+                   what="the due job staged")
+    assert (tasks.get_job(soon) or {})["state"] == "available"
+    assert (tasks.get_job(later) or {})["state"] == "scheduled"
+
+
+def test_100k_future_jobs_stay_out_of_the_claims_path(tasks: App) -> None:
+    """100,000 high-priority future jobs and one due low-priority job: the claim plan reads
+    the partial index only (no sequential scan) and touches one row, not 100,000."""
+    t = tasks.tasks["t"].configure(queue="q")
+    tasks.enqueue_many([t.configure(delay=3600, priority=100).job() for _ in range(100_000)])
+    due = t.configure(priority=-100).enqueue()
+    query(tasks.dsn, "ANALYZE {schema}.jobs", schema=tasks.schema)
+    with tasks.connect() as conn, conn.transaction():
+        plan = [r[0] for r in conn.execute(
+            b"EXPLAIN (ANALYZE, COSTS OFF) " + tasks.queries.CLAIM.as_bytes(conn),
+            {"queue": "q", "limit": 10, "lease": 30.0, "worker": "w", "inline_bytes": 1,
+             "held_tasks": [], "held": False}).fetchall()]
+        conn.execute("ROLLBACK")  # EXPLAIN ANALYZE ran the claim: undo it
+    text = "\n".join(plan)
+    assert "Seq Scan on jobs" not in text, text
+    assert "jobs_claim_idx" in text, text
+    scan = next(line for line in plan if "jobs_claim_idx" in line)
+    assert re.search(r"rows=1(\.00)? ", scan), text
+    assert (tasks.get_job(due) or {})["state"] == "available"
+
+
+# --- priorities -----------------------------------------------------------------------------
+
+def test_rescued_priority_job_is_claimed_before_lower_priorities(tasks: App) -> None:
+    t = tasks.tasks["t"].configure(queue="q")
+    urgent = t.configure(priority=50).enqueue()
+    claim(tasks, limit=1)  # a worker took it, then died
+    normal = [t.enqueue() for _ in range(5)]
+    expire(tasks, urgent)
+    with tasks.connect() as conn:
+        assert rescue(conn, tasks.queries) == [(urgent, "available")]
+    assert [r[0] for r in claim(tasks, limit=6)] == [urgent, *normal]
+
+
+def test_oldest_first_claim_reaches_low_priorities(tasks: App) -> None:
+    t = tasks.tasks["t"].configure(queue="q")
+    old_low = t.configure(priority=-100).enqueue()
+    [t.configure(priority=100).enqueue() for _ in range(3)]
+    with tasks.connect() as conn:
+        rows = conn.execute(tasks.queries.CLAIM_OLDEST, {
+            "queue": "q", "limit": 1, "lease": 30.0, "worker": "w", "inline_bytes": 1,
+            "held_tasks": [], "held": False}).fetchall()
+    assert [r[0] for r in rows] == [old_low]
+
+
+# --- unique jobs ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_fc11_one_key_five_transactions_four_roll_back(tasks: App, isolation: str) -> None:
+    t = tasks.tasks["t"].configure(queue="q")
+    level = psycopg.IsolationLevel.REPEATABLE_READ if isolation == "repeatable read" \
+        else psycopg.IsolationLevel.READ_COMMITTED
+    rng = random.Random(11)
+    for round_ in range(15):
+        key = f"k{round_}"
+        results: dict[int, Any] = {}
+        barrier = threading.Barrier(5)
+
+        def caller(i: int, key: str = key, barrier: threading.Barrier = barrier,
+                   results: dict[int, Any] = results) -> None:
+            with psycopg.connect(tasks.dsn) as conn:
+                conn.isolation_level = level
+                conn.execute("SELECT 1")  # take the snapshot first, as a real caller would
+                barrier.wait()
+                if i == 4:
+                    time.sleep(rng.uniform(0.0, 0.1))
+                try:
+                    job_id = tasks.enqueue(t.configure(idempotency_key=key).job(), conn=conn)
+                except (DuplicateJobError, psycopg.errors.SerializationFailure) as exc:
+                    results[i] = exc
+                    conn.rollback()
+                    return
+                results[i] = job_id
+                if i == 4:
+                    conn.commit()
+                else:
+                    time.sleep(rng.uniform(0.05, 0.2))
+                    conn.rollback()
+
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(5)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        rows = query(tasks.dsn, "SELECT id FROM {schema}.jobs WHERE idempotency_key = %s",
+                     [key], schema=tasks.schema)
+        assert len(rows) == 1, (round_, results)
+        assert all(isinstance(v, int | DuplicateJobError | psycopg.errors.SerializationFailure)
+                   for v in results.values())
+        assert all(v is not None for v in results.values())
+        if isinstance(results[4], int):
+            assert results[4] == rows[0][0]
+
+
+def test_unique_while_waiting_allows_a_new_job_after_the_first_finished(tasks: App) -> None:
+    t = tasks.tasks["t"].configure(queue="q", idempotency_key="sync-user-7",
+                                   unique_while=("scheduled", "available", "running"))
+    first = t.enqueue()
+    assert t.enqueue() == first
+    claim(tasks, limit=1)
+    running = tasks.get_job(first)
+    assert t.enqueue() == first  # re-enqueueing never touches the running job
+    assert tasks.get_job(first) == running
+    query(tasks.dsn, "UPDATE {schema}.jobs SET state = 'succeeded' WHERE id = %s", [first],
+          schema=tasks.schema)
+    second = t.enqueue()
+    assert second != first
+
+
+# --- cancellation, timeouts, snooze ---------------------------------------------------------
+
+@pytest.mark.parametrize("task", ["async_sleep", "sync_wait"])
+def test_cancel_waiting_and_running_jobs(tasks: App, tmp_path: Path, task: str) -> None:
+    waiting = enqueue(tasks, "sleep", 3, queue="other")
+    (running,) = enqueue(tasks, task, seconds=30)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: exec_counts(tasks.dsn, tasks.schema) == {running: 1}, timeout=30,
+                   what="running")
+        assert tasks.cancel(waiting) == {"cancelled": 3, "requested": 0}
+        assert tasks.cancel([running]) == {"cancelled": 0, "requested": 1}
+        wait_until(lambda: (tasks.get_job(running) or {})["state"] == "cancelled", timeout=30,
+                   what="running job cancelled")
+    assert states(tasks.dsn, tasks.schema) == {"cancelled": 4}
+
+
+def test_timeouts_fail_the_attempt(tasks: App, tmp_path: Path) -> None:
+    async_job = tasks.enqueue(tasks.tasks["slow_async"].configure(max_attempts=2)
+                              .job(seconds=30))
+    sync_job = tasks.enqueue(tasks.tasks["slow_sync"].configure(max_attempts=1).job(seconds=30))
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"discarded": 2}, timeout=30,
+                   what="both timed out")
+    for job_id, attempts in ((async_job, 2), (sync_job, 1)):
+        job = tasks.get_job(job_id) or {}
+        assert job["attempt"] == attempts
+        assert "timed out after 0.5s" in job["errors"][-1]["error"]
+
+
+def test_snooze_runs_again_later_without_using_an_attempt(tasks: App, tmp_path: Path) -> None:
+    (job_id,) = enqueue(tasks, "snooze_once")
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=30,
+                   what="snoozed job done")
+    job = tasks.get_job(job_id) or {}
+    assert job["attempt"] == 1 and exec_counts(tasks.dsn, tasks.schema) == {job_id: 2}
+
+
+# --- queue controls -------------------------------------------------------------------------
+
+def test_pause_and_resume_across_workers(tasks: App, tmp_path: Path) -> None:
+    tasks.pause_queue("default")
+    ids = enqueue(tasks, "sleep", 5)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default", "other"], *FAST,
+                       log=tmp_path / "w.log"):
+        other = enqueue(tasks, "sleep", 1, queue="other")
+        wait_until(lambda: exec_counts(tasks.dsn, tasks.schema, "finish").keys() == set(other),
+                   timeout=30, what="the unpaused queue served")
+        assert states(tasks.dsn, tasks.schema).get("available") == 5
+        tasks.resume_queue("default")
+        wait_until(lambda: set(ids) <= exec_counts(tasks.dsn, tasks.schema, "finish").keys(),
+                   timeout=30, what="resumed queue drained")
+
+
+def test_global_concurrency_limit_holds_with_a_sigkill(tasks: App, tmp_path: Path) -> None:
+    """Limit 2 across 3 worker processes (concurrency 4 each); one is SIGKILLed mid-run."""
+    tasks.set_queue_limits("default", concurrency=2)
+    enqueue(tasks, "sleep", 30, seconds=0.2)
+    peak = 0
+    workers = [WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "4", *FAST,
+                             log=tmp_path / f"w{i}.log") for i in range(3)]
+    try:
+        deadline = time.monotonic() + 120
+        killed = False
+        while states(tasks.dsn, tasks.schema).get("succeeded", 0) < 30:
+            assert time.monotonic() < deadline, "limited queue did not drain"
+            live = query(tasks.dsn, "SELECT count(*) FROM {schema}.jobs WHERE state = "
+                         "'running' AND lease_expires_at > now()", schema=tasks.schema)[0][0]
+            peak = max(peak, live)
+            if not killed and len(exec_counts(tasks.dsn, tasks.schema, "finish")) >= 8:
+                workers[0].kill()
+                killed = True
+            time.sleep(0.01)
+    finally:
+        for w in workers:
+            w.kill()
+    assert 1 <= peak <= 2
+    spans = query(tasks.dsn, """
+        SELECT s.at, f.at FROM {schema}.exec_log s JOIN {schema}.exec_log f
+          ON f.job_id = s.job_id AND f.attempt = s.attempt AND f.event = 'finish'
+         WHERE s.event = 'start'""", schema=tasks.schema)
+    for start, _ in spans:  # handlers overlapping any moment: never more than the limit
+        assert sum(1 for s, f in spans if s <= start < f) <= 2
+
+
+def test_rate_limit_spreads_starts(tasks: App, tmp_path: Path) -> None:
+    tasks.set_queue_limits("default", rate=5, period=1.0)
+    enqueue(tasks, "sleep", 12)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "10", *FAST,
+                       log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 12}, timeout=60,
+                   what="rate-limited queue drained")
+    starts = sorted(r[0] for r in query(tasks.dsn, "SELECT attempted_at FROM {schema}.jobs",
+                                        schema=tasks.schema))
+    assert (starts[-1] - starts[0]).total_seconds() >= 2.0  # 12 starts need three windows
+
+
+def test_fc20_small_queue_is_not_starved_by_a_big_one(tasks: App, tmp_path: Path) -> None:
+    big = enqueue(tasks, "sleep", 200, queue="big", seconds=0.2)
+    small = enqueue(tasks, "sleep", 5, queue="small", seconds=0.2)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["big", "small"], "--concurrency", "4", *FAST,
+                       log=tmp_path / "w.log"):
+        wait_until(lambda: set(small) <= exec_counts(tasks.dsn, tasks.schema, "finish").keys(),
+                   timeout=60, what="small queue done")
+        done_big = set(big) & exec_counts(tasks.dsn, tasks.schema, "finish").keys()
+    assert len(done_big) < 20
+
+
+# --- retention ------------------------------------------------------------------------------
+
+def test_fc26_pruners_workers_and_bulk_cancel_together(tasks: App, tmp_path: Path) -> None:
+    """3 pruners, 4 workers and a bulk cancel at once: no deadlock, no lost or doubled row."""
+    query(tasks.dsn, """
+        INSERT INTO {schema}.jobs (queue, task, state, finished_at, attempt)
+        SELECT 'old', 't', 'succeeded', now() - interval '2 days', 1
+          FROM generate_series(1, 20000)""", schema=tasks.schema)
+    q_jobs = enqueue(tasks, "sleep", 1500, queue="q", seconds=0.001)
+    errors: list[BaseException] = []
+    pruned: list[int] = []
+
+    def pruner() -> None:
+        try:
+            pruned.append(tasks.prune(retention=86400, batch=500))
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [WorkerProcess(tasks.dsn, tasks.schema, ["q"], "--concurrency", "8", *FAST,
+                             log=tmp_path / f"w{i}.log") for i in range(4)]
+    try:
+        threads = [threading.Thread(target=pruner) for _ in range(3)]
+        for th in threads:
+            th.start()
+        wait_until(lambda: len(exec_counts(tasks.dsn, tasks.schema)) >= 100, timeout=60,
+                   what="workers under way")
+        cancelled = tasks.cancel(queue="q")
+        for th in threads:
+            th.join(120)
+        wait_until(lambda: not {"available", "running", "scheduled"}
+                   & states(tasks.dsn, tasks.schema).keys(), timeout=60, what="queue settled")
+    finally:
+        for w in workers:
+            w.kill()
+    assert errors == []
+    assert sum(pruned) == 20000
+    final = dict(query(tasks.dsn, "SELECT state, count(*) FROM {schema}.jobs WHERE queue = 'q' "
+                       "GROUP BY state", schema=tasks.schema))
+    assert sum(final.values()) == len(q_jobs)
+    assert set(final) <= {"succeeded", "cancelled"}
+    assert final.get("cancelled", 0) >= cancelled["cancelled"]
+    for log_file in tmp_path.glob("w*.log"):
+        assert "deadlock" not in log_file.read_text()
+
+
+def test_worker_prunes_with_retention(tasks: App, tmp_path: Path) -> None:
+    query(tasks.dsn, """
+        INSERT INTO {schema}.jobs (queue, task, state, finished_at, attempt)
+        SELECT 'old', 't', s, now() - interval '2 hours', 1
+          FROM unnest(ARRAY['succeeded', 'cancelled', 'discarded']) AS s""", schema=tasks.schema)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--retention", "1h",
+                       log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"discarded": 1}, timeout=60,
+                   what="succeeded and cancelled pruned, discarded kept longer")
