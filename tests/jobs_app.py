@@ -187,6 +187,37 @@ def snooze_once() -> None:
     log_event("finish")
 
 
+@app.task(name="stubborn")
+async def stubborn() -> None:
+    """Swallows cancellation: the worker must still shut down within its grace."""
+    log_event("start")
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+
+
+class BadStr(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+@app.task(name="misbehave", max_attempts=1)
+async def misbehave(how: str) -> str | None:
+    """Ways a handler can misbehave that must fail only its own job."""
+    log_event("start")
+    if how == "exit":
+        raise SystemExit(3)
+    if how == "bad_str":
+        raise BadStr()
+    if how == "cancelled":
+        raise asyncio.CancelledError()
+    if how == "huge_result":
+        return "y" * (2 * 1024 * 1024)
+    return None
+
+
 @app.task(name="pooled")
 def pooled(seconds: float) -> None:
     """Holds a transaction on a connection of the application's own small pool."""

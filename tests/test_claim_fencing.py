@@ -14,12 +14,17 @@ from skipjack.maintenance import rescue
 from support import query
 
 
+def claim_params(**overrides: Any) -> dict[str, Any]:
+    """Bind values of the claim statements, as a lease-mode worker sends them."""
+    return {"queue": "q", "limit": 10, "lease": 30.0, "min_lease": 0.0, "worker": "w",
+            "inline_bytes": 1 << 20, "held_tasks": [], "held": False, **overrides}
+
+
 def claim(app: App, queue: str = "q", limit: int = 10, lease: float = 30.0,
           worker: str = "w") -> list[tuple[Any, ...]]:
     with app.connect() as conn:
-        return conn.execute(app.queries.CLAIM, {
-            "queue": queue, "limit": limit, "lease": lease, "worker": worker,
-            "inline_bytes": 1 << 20, "held_tasks": [], "held": False}).fetchall()
+        return conn.execute(app.queries.CLAIM, claim_params(
+            queue=queue, limit=limit, lease=lease, worker=worker)).fetchall()
 
 
 def record(app: App, job_id: int, version: int, kind: str, delay: float = 0.0,
@@ -33,7 +38,8 @@ def record(app: App, job_id: int, version: int, kind: str, delay: float = 0.0,
 def heartbeat(app: App, job_id: int, version: int) -> list[tuple[int]]:
     with app.connect() as conn:
         return conn.execute(app.queries.HEARTBEAT, {
-            "id": [job_id], "lease_version": [version], "lease": 30.0}).fetchall()
+            "id": [job_id], "lease_version": [version], "lease": 30.0,
+            "min_lease": 0.0}).fetchall()
 
 
 def expire(app: App, job_id: int) -> None:
@@ -204,7 +210,6 @@ def test_claim_plan_uses_the_partial_index(app: App) -> None:
         conn.execute("SET enable_seqscan = off")  # fails loudly if no index can serve it
         plan = "\n".join(r[0] for r in conn.execute(
             b"EXPLAIN " + app.queries.CLAIM.as_bytes(conn),
-            {"queue": "q", "limit": 10, "lease": 30.0, "worker": "w", "inline_bytes": 1,
-             "held_tasks": [], "held": False}
+            claim_params(inline_bytes=1)
         ).fetchall())
     assert "jobs_claim_idx" in plan and "Seq Scan" not in plan

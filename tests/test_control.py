@@ -15,7 +15,7 @@ import pytest
 
 from skipjack import App, DuplicateJobError
 from skipjack.maintenance import rescue, stage
-from test_claim_fencing import claim, expire
+from test_claim_fencing import claim, claim_params, expire
 
 from support import WorkerProcess, create_log_tables, exec_counts, query, states, wait_until
 
@@ -62,8 +62,7 @@ def test_100k_future_jobs_stay_out_of_the_claims_path(tasks: App) -> None:
     with tasks.connect() as conn, conn.transaction():
         plan = [r[0] for r in conn.execute(
             b"EXPLAIN (ANALYZE, COSTS OFF) " + tasks.queries.CLAIM.as_bytes(conn),
-            {"queue": "q", "limit": 10, "lease": 30.0, "worker": "w", "inline_bytes": 1,
-             "held_tasks": [], "held": False}).fetchall()]
+            claim_params(inline_bytes=1)).fetchall()]
         conn.execute("ROLLBACK")  # EXPLAIN ANALYZE ran the claim: undo it
     text = "\n".join(plan)
     assert "Seq Scan on jobs" not in text, text
@@ -91,9 +90,7 @@ def test_oldest_first_claim_reaches_low_priorities(tasks: App) -> None:
     old_low = t.configure(priority=-100).enqueue()
     [t.configure(priority=100).enqueue() for _ in range(3)]
     with tasks.connect() as conn:
-        rows = conn.execute(tasks.queries.CLAIM_OLDEST, {
-            "queue": "q", "limit": 1, "lease": 30.0, "worker": "w", "inline_bytes": 1,
-            "held_tasks": [], "held": False}).fetchall()
+        rows = conn.execute(tasks.queries.CLAIM_OLDEST, claim_params(limit=1)).fetchall()
     assert [r[0] for r in rows] == [old_low]
 
 

@@ -6,6 +6,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import psycopg
+import psycopg.rows
 import pytest
 
 from skipjack import App
@@ -28,7 +30,7 @@ def tasks(app: App) -> App:
     """The app with the worker processes' task names registered, and the log tables."""
     create_log_tables(app.dsn, app.schema)
     for name in ("sleep", "async_sleep", "cpu", "cpu_async", "fail", "pooled", "nul",
-                 "short_lease", "payload"):
+                 "short_lease", "payload", "stubborn", "misbehave"):
         app.task(name=name)(lambda **kw: None)
     return app
 
@@ -280,3 +282,69 @@ def test_fc05_worker_survives_server_restart(tasks: App, server: Server,
                    timeout=30, what="jobs after restart")
         assert w.proc.poll() is None
         assert "reconnecting" in w.log() or "retrying" in w.log()
+
+
+# --- regressions: handlers that misbehave ---------------------------------------------------
+
+def test_misbehaving_handlers_fail_only_their_own_job(tasks: App, tmp_path: Path) -> None:
+    """sys.exit(), an exception whose __str__ raises, a handler raising CancelledError itself,
+    and a 2 MiB result: each ends its own job; the worker and other jobs go on."""
+    m = tasks.tasks["misbehave"].configure(max_attempts=1)
+    ids = {how: tasks.enqueue(m.job(how=how))
+           for how in ("exit", "bad_str", "cancelled", "huge_result")}
+    ok = enqueue(tasks, "sleep", 5)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log") as w:
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 6, "discarded": 3},
+                   timeout=60, what="all jobs ended")
+        assert w.proc.poll() is None
+    errors = {how: (tasks.get_job(i) or {})["errors"] for how, i in ids.items()}
+    assert "SystemExit: 3" in errors["exit"][-1]["error"]
+    assert "BadStr: <unprintable BadStr>" in errors["bad_str"][-1]["error"]
+    assert "CancelledError" in errors["cancelled"][-1]["error"]
+    huge = tasks.get_job(ids["huge_result"]) or {}
+    assert huge["state"] == "succeeded" and "result not stored" in huge["result"]
+    assert set(exec_counts(tasks.dsn, tasks.schema, "finish")) == set(ok)
+
+
+def test_sigterm_with_a_handler_that_ignores_cancellation(tasks: App, tmp_path: Path) -> None:
+    (job_id,) = enqueue(tasks, "stubborn")
+    w = WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--grace", "0.5",
+                      log=tmp_path / "w.log")
+    try:
+        wait_until(lambda: exec_counts(tasks.dsn, tasks.schema) == {job_id: 1}, timeout=30,
+                   what="started")
+        w.signal(signal.SIGTERM)
+        assert w.wait(30) == 0
+    finally:
+        w.kill()
+    job = tasks.get_job(job_id) or {}
+    assert job["state"] == "available" and job["attempt"] == 0
+    assert "ignored cancellation" in w.log()
+
+
+def test_job_lease_shorter_than_the_heartbeat_is_raised_to_what_it_can_keep(
+        tasks: App, tmp_path: Path) -> None:
+    job_id = tasks.enqueue(tasks.tasks["sleep"].configure(lease=0.2).job(seconds=3))
+    workers = [WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST,
+                             log=tmp_path / f"w{i}.log") for i in range(2)]
+    try:
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=30,
+                   what="done")
+    finally:
+        for w in workers:
+            w.kill()
+    job = tasks.get_job(job_id) or {}
+    assert job["lease_version"] == 1 and exec_counts(tasks.dsn, tasks.schema) == {job_id: 1}
+
+
+def test_enqueue_on_a_connection_with_another_row_factory(tasks: App) -> None:
+    t = tasks.tasks["sleep"]
+    with psycopg.connect(tasks.dsn, row_factory=psycopg.rows.dict_row) as conn:
+        ids = tasks.enqueue_many([t.job(), t.configure(idempotency_key="k").job()], conn=conn)
+        assert tasks.enqueue(t.configure(idempotency_key="k").job(), conn=conn) == ids[1]
+    assert len(set(ids)) == 2
+
+
+def test_schema_from_the_environment(tasks: App, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SKIPJACK_SCHEMA", tasks.schema)
+    assert App(tasks.dsn).schema == tasks.schema

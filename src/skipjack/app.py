@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any, overload
 
 import psycopg
-import psycopg.rows
+from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from . import embedded
@@ -180,6 +180,7 @@ class App(Control):
         dsn: a libpq connection string or URI. None: ``$SKIPJACK_DATABASE_URL``, then
             ``$DATABASE_URL``, then the embedded PostgreSQL server.
         schema: the schema holding skipjack's tables (lower-case identifier, <= 63 bytes).
+            None: ``$SKIPJACK_SCHEMA``, else ``skipjack``.
         max_args_bytes: the limit on serialised job args, in bytes (<= 255 MiB, jsonb's own
             limit is about 255 MB).
 
@@ -191,9 +192,10 @@ class App(Control):
         self,
         dsn: str | None = None,
         *,
-        schema: str = "skipjack",
+        schema: str | None = None,
         max_args_bytes: int = DEFAULT_MAX_ARGS_BYTES,
     ) -> None:
+        schema = schema or os.environ.get("SKIPJACK_SCHEMA") or "skipjack"
         if not isinstance(schema, str) or not _SCHEMA_RE.fullmatch(schema):
             raise ValidationError(
                 "schema", f"{schema!r} must match [a-z_][a-z0-9_]* and be at most 63 bytes"
@@ -288,8 +290,8 @@ class App(Control):
             if transaction == "claim" and inspect.iscoroutinefunction(f):
                 raise ValidationError("transaction", "'claim' runs sync handlers only; use "
                                       "'complete' for an async handler")
-            task_name = check_name("task", name or f"{f.__module__}.{f.__qualname__}",
-                                   TASK_MAX_BYTES)
+            default = f"{f.__module__}.{f.__qualname__}"
+            task_name = check_name("task", default if name is None else name, TASK_MAX_BYTES)
             task = Task(
                 app=self,
                 fn=f,
@@ -440,7 +442,7 @@ class App(Control):
     def _enqueue_on(
         self, conn: psycopg.Connection[Any], specs: list[JobSpec], params: dict[str, list[Any]]
     ) -> list[int]:
-        with conn.cursor() as cur:
+        with conn.cursor(row_factory=tuple_row) as cur:  # whatever the caller's row factory
             rows = cur.execute(self.queries.ENQUEUE, params).fetchall()
             existing: list[tuple[int, str]] = []
             missing = _missing_keys(specs, rows)
@@ -473,7 +475,7 @@ class App(Control):
         specs: list[JobSpec],
         params: dict[str, list[Any]],
     ) -> list[int]:
-        async with conn.cursor() as cur:
+        async with conn.cursor(row_factory=tuple_row) as cur:
             rows = await (await cur.execute(self.queries.ENQUEUE, params)).fetchall()
             existing: list[tuple[int, str]] = []
             missing = _missing_keys(specs, rows)
@@ -483,13 +485,23 @@ class App(Control):
         return _assign_ids(specs, rows, existing)
 
 
+ENQUEUE_MAX_BYTES = 512 * 1024 * 1024
+
+
 def _as_specs(jobs: Iterable[JobSpec]) -> list[JobSpec]:
+    """The specs as a list; refuses anything else, and calls over 512 MiB of args in total
+    (one statement must stay well under PostgreSQL's 1 GiB message limit)."""
     specs = list(jobs)
+    total = 0
     for i, spec in enumerate(specs):
         if not isinstance(spec, JobSpec):
             raise ValidationError(
                 f"jobs[{i}]", f"must be a JobSpec (from Task.job()), got {type(spec).__name__}"
             )
+        total += len(spec.args_json)
+    if total > ENQUEUE_MAX_BYTES:
+        raise ValidationError("jobs", f"{total} characters of args in one call, the limit is "
+                              f"{ENQUEUE_MAX_BYTES}: enqueue in smaller batches")
     return specs
 
 

@@ -10,11 +10,13 @@ import sys
 from typing import Any
 
 import click
+import psycopg
 from rich.console import Console
 from rich.table import Table
 
 from .app import App
 from .errors import SkipjackError
+from .jobs import STATES
 
 
 def _app(ctx: click.Context) -> App:
@@ -34,7 +36,8 @@ def load_app(path: str, dsn: str | None, schema: str | None) -> App:
     if dsn:
         app._dsn = dsn
     if schema and schema != app.schema:
-        raise click.BadParameter(f"--schema {schema!r} differs from the app's {app.schema!r}")
+        raise click.BadParameter(f"--schema (or $SKIPJACK_SCHEMA) {schema!r} differs from the "
+                                 f"app's schema {app.schema!r}")
     return app
 
 
@@ -42,10 +45,11 @@ def load_app(path: str, dsn: str | None, schema: str | None) -> App:
 @click.option("--dsn", envvar="SKIPJACK_DATABASE_URL", default=None,
               help="PostgreSQL URI. Default: $SKIPJACK_DATABASE_URL, $DATABASE_URL, "
                    "else the embedded server.")
-@click.option("--schema", envvar="SKIPJACK_SCHEMA", default="skipjack", show_default=True)
+@click.option("--schema", envvar="SKIPJACK_SCHEMA", default=None,
+              help="Schema of skipjack's tables [$SKIPJACK_SCHEMA, else skipjack].")
 @click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
 @click.pass_context
-def main(ctx: click.Context, dsn: str | None, schema: str, verbose: bool) -> None:
+def main(ctx: click.Context, dsn: str | None, schema: str | None, verbose: bool) -> None:
     """skipjack: a PostgreSQL job queue built on FOR UPDATE SKIP LOCKED."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -93,7 +97,7 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
     """Run a worker for the tasks of MODULE:APP."""
     from .worker import Worker
 
-    app = load_app(app_path, ctx.obj["dsn"], None)
+    app = load_app(app_path, ctx.obj["dsn"], ctx.obj["schema"])
     w = Worker(app, list(queues), concurrency=concurrency, batch_size=batch_size, lease=lease,
                heartbeat=heartbeat, poll_interval=poll_interval, rescue_interval=rescue_interval,
                shutdown_grace=grace, stage_interval=stage_interval,
@@ -144,9 +148,9 @@ def jobs() -> None:
 
 
 @jobs.command("list")
-@click.option("--state", default=None)
+@click.option("--state", default=None, type=click.Choice(STATES))
 @click.option("--queue", default=None)
-@click.option("--limit", default=50, show_default=True, type=int)
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 100_000))
 @click.pass_context
 def jobs_list(ctx: click.Context, state: str | None, queue: str | None, limit: int) -> None:
     """The newest jobs, one JSON object a line."""
@@ -300,7 +304,8 @@ def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
 
     if as_json:
         logging.getLogger("skipjack").setLevel(logging.ERROR)
-    summary = run_demo(ctx.obj["dsn"], schema=ctx.obj["schema"] + "_demo", jobs=n_jobs,
+    summary = run_demo(ctx.obj["dsn"], schema=(ctx.obj["schema"] or "skipjack") + "_demo",
+                       jobs=n_jobs,
                        concurrency=concurrency, fail_rate=fail_rate, progress=not as_json)
     if as_json:
         click.echo(json.dumps(summary))
@@ -356,7 +361,7 @@ def chaos(ctx: click.Context, n_jobs: int, workers: int, concurrency: int, durat
         restart_db_every=_seconds(restart_db_every),
         terminate_backends_every=_seconds(terminate_backends_every),
         restart_cmd=restart_cmd, lease=lease, seed=seed, timeout=_seconds(timeout),
-        schema=ctx.obj["schema"] + "_chaos")
+        schema=(ctx.obj["schema"] or "skipjack") + "_chaos")
     try:
         audit = run_chaos(ctx.obj["dsn"], opts, echo=None if as_json else click.echo)
     except ValueError as exc:
@@ -374,4 +379,11 @@ def run() -> None:
         main(standalone_mode=True)
     except SkipjackError as exc:
         click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except psycopg.errors.UndefinedTable as exc:
+        click.echo(f"error: {str(exc).strip()}: is the schema migrated? run `skipjack migrate`",
+                   err=True)
+        sys.exit(2)
+    except psycopg.OperationalError as exc:
+        click.echo(f"error: cannot reach the database: {str(exc).strip()}", err=True)
         sys.exit(2)

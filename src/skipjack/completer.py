@@ -19,7 +19,7 @@ import psycopg
 
 from .context import Job
 from .heartbeat import Leases
-from .jobs import scrub_text
+from .jobs import ERROR_MAX_CHARS, safe_str, scrub_text
 from .reconnect import Backoff as ReconnectBackoff
 
 if TYPE_CHECKING:
@@ -66,13 +66,24 @@ def outcome_params(batch: list[Outcome]) -> dict[str, list[Any]]:
 
 
 def error_json(job: Job, exc: BaseException) -> str:
-    """The error entry stored for a failed attempt (NUL-free, traceback capped at 16 kB)."""
-    tb = "".join(traceback.format_exception(exc))
+    """The error entry stored for a failed attempt: NUL-free, the message capped at 4,000
+    characters and the traceback at its last 16,000; never fails, whatever ``exc`` does."""
+    try:
+        tb = "".join(traceback.format_exception(exc))
+    except Exception:
+        tb = "<traceback could not be formatted>"
+    message = f"{type(exc).__name__}: {safe_str(exc)}"
     return json.dumps({
         "attempt": job.attempt,
-        "error": scrub_text(f"{type(exc).__name__}: {exc}"),
+        "error": scrub_text(message[:ERROR_MAX_CHARS]),
         "traceback": scrub_text(tb[-16_000:]),
     }, ensure_ascii=False)
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Did the database connection itself fail (as opposed to a statement)?"""
+    return isinstance(exc, psycopg.OperationalError) and not isinstance(
+        exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
 
 
 class Completer:
@@ -128,13 +139,25 @@ class Completer:
                         applied = dict(await cur.fetchall())
                         backoff.reset()
                     except psycopg.Error as exc:
-                        await close_quietly(conn)
-                        conn = None
-                        delay = backoff.next()
-                        log.warning("recording %d outcomes failed: %s (retrying in %.1fs)",
-                                    len(batch), str(exc).strip(), delay)
-                        await asyncio.sleep(delay)
-                        continue
+                        if connection_lost(exc) or conn is None or conn.broken:
+                            await close_quietly(conn)
+                            conn = None
+                            delay = backoff.next()
+                            log.warning("recording %d outcomes failed: %s (retrying in %.1fs)",
+                                        len(batch), str(exc).strip(), delay)
+                            await asyncio.sleep(delay)
+                            continue
+                        # the server refused the statement itself: write the batch one by
+                        # one so that one bad outcome cannot hold back the others
+                        log.warning("recording %d outcomes refused: %s; recording them one by "
+                                    "one", len(batch), str(exc).strip())
+                        try:
+                            applied = await self._one_by_one(conn, batch)
+                        except psycopg.Error:
+                            await close_quietly(conn)
+                            conn = None
+                            await asyncio.sleep(backoff.next())
+                            continue
                     finally:
                         self._writing = False
                     done = {o.id for o in batch}
@@ -145,6 +168,28 @@ class Completer:
                 self._flushed.set()
         finally:
             await close_quietly(conn)
+
+    async def _one_by_one(self, conn: psycopg.AsyncConnection[Any],
+                          batch: list[Outcome]) -> dict[int, str]:
+        """Write each outcome alone: three tries as it is (the refusal may pass), then three
+        without its result and error (they may be what the database refuses). An outcome
+        refused all six times is dropped with an error log; its lease then expires and the
+        rescuer returns the job."""
+        applied: dict[int, str] = {}
+        for o in batch:
+            for i, attempt in enumerate((o, o, o, _stripped(o), _stripped(o), _stripped(o))):
+                try:
+                    cur = await conn.execute(self._app.queries.RECORD_OUTCOMES,
+                                             outcome_params([attempt]))
+                    applied.update(dict(await cur.fetchall()))
+                    break
+                except psycopg.Error as exc:
+                    if connection_lost(exc):
+                        raise
+                    log.error("job %s: outcome refused by the database (try %d of 6): %s",
+                              o.id, i + 1, str(exc).strip())
+                    await asyncio.sleep(0.1 * (i + 1))
+        return applied
 
     def count(self, o: Outcome, state: str | None) -> None:
         """Account for an outcome that was written (``state``: the job's new state) or
@@ -163,6 +208,13 @@ class Completer:
         else:
             self._stats.retried += 1  # the stager makes it runnable when its delay is over
             log.info("job %s: attempt failed, retrying in %.1fs", o.id, o.delay)
+
+
+def _stripped(o: Outcome) -> Outcome:
+    """The outcome without what the database refused to store."""
+    note = json.dumps({"attempt": None, "error": "the outcome's result or error could not be "
+                       "stored and was dropped"})
+    return Outcome(o.id, o.lease_version, o.queue, o.kind, o.delay, None, note)
 
 
 async def close_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:

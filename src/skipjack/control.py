@@ -12,7 +12,7 @@ import psycopg.rows
 
 from .errors import ValidationError
 from .jobs import QUEUE_MAX_BYTES, check_name
-from .maintenance import BATCH, prune
+from .maintenance import BATCH, notify, prune
 from .queries import Queries
 
 
@@ -76,6 +76,7 @@ class Control:
         """
         with self.connect() as conn:
             rows = conn.execute(self.queries.RETRY_DISCARDED, {"id": list(ids)}).fetchall()
+            notify(conn, self.queries, {r[1] for r in rows})
         return [r[0] for r in rows]
 
     def discard(self, ids: Sequence[int]) -> list[int]:

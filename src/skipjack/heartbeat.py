@@ -136,7 +136,7 @@ class Heartbeat(threading.Thread):
             self._conn = self._connect()
         rows = self._conn.execute(
             self._q.HEARTBEAT,
-            {"lease": self._lease, "id": [x.id for x in held],
+            {"lease": self._lease, "min_lease": 3 * self._interval, "id": [x.id for x in held],
              "lease_version": [x.lease_version for x in held]},
         ).fetchall()
         renewed = {job_id: cancel for job_id, cancel in rows}

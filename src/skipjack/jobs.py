@@ -120,6 +120,10 @@ def check_name(field: str, value: object, max_bytes: int) -> str:
         raise ValidationError(field, f"{size} bytes, the limit is {max_bytes} bytes (UTF-8)")
     if not value.isprintable() or any(c.isspace() for c in value):
         raise ValidationError(field, f"{value!r} has white space or unprintable characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError(field, "holds a lone surrogate (invalid Unicode)") from None
     return value
 
 
@@ -191,6 +195,11 @@ def check_idempotency_key(value: object) -> str | None:
         )
     if "\x00" in value:
         raise ValidationError("idempotency_key", "contains NUL (U+0000)")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError("idempotency_key", "holds a lone surrogate (invalid "
+                              "Unicode)") from None
     return value
 
 
@@ -241,16 +250,19 @@ def serialize_args(args: object, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> str
     """
     if not isinstance(args, dict):
         raise ValidationError("args", f"must be a dict, got {type(args).__name__}")
-    for key in args:
-        if not isinstance(key, str):
-            raise ValidationError("args", f"keyword names must be str, got {key!r}")
+    _check_keys(args)
     try:
         text = json.dumps(args, ensure_ascii=False, allow_nan=False, separators=(",", ":"),
                           default=_reject)
     except ValueError as exc:
         if isinstance(exc, ValidationError):
             raise
-        raise ValidationError("args", "NaN and Infinity are not JSON (jsonb refuses them)") from exc
+        if "Out of range float" in str(exc):
+            raise ValidationError("args", "NaN and Infinity are not JSON (jsonb refuses "
+                                  "them)") from exc
+        if "Circular reference" in str(exc):
+            raise ValidationError("args", "contains a reference cycle") from exc
+        raise ValidationError("args", str(exc)) from exc
     except RecursionError as exc:
         raise ValidationError("args", "nested too deeply") from exc
     if "\\u0000" in text and _NUL_ESCAPE.search(text):
@@ -264,6 +276,37 @@ def serialize_args(args: object, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> str
     return text
 
 
+def _check_keys(args: dict[Any, Any]) -> None:
+    """Refuse non-str dict keys at any depth (JSON would turn 1, True, None into strings)."""
+    stack: list[Any] = [args]
+    seen = 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > 10_000_000:
+            return  # pathological size or a cycle: json.dumps reports it
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    raise ValidationError("args", f"dict keys must be str, got {key!r}")
+                if isinstance(value, dict | list | tuple):
+                    stack.append(value)
+        else:
+            stack.extend(v for v in node if isinstance(v, dict | list | tuple))
+
+
+RESULT_MAX_BYTES = 1024 * 1024
+ERROR_MAX_CHARS = 4000
+
+
+def safe_str(value: object) -> str:
+    """``str(value)``, or a placeholder when its ``__str__`` itself raises."""
+    try:
+        return str(value)
+    except Exception:
+        return f"<unprintable {type(value).__name__}>"
+
+
 def scrub_text(text: str) -> str:
     """Make text safe for jsonb: NUL becomes U+FFFD, lone surrogates are replaced."""
     return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
@@ -272,14 +315,21 @@ def scrub_text(text: str) -> str:
 def dump_result(value: object) -> str | None:
     """Serialise a handler's return value for the ``result`` column, never failing.
 
-    JSON values are kept (NUL replaced by U+FFFD); anything else is stored as its ``repr``.
-    NaN/Infinity become their repr too. Returns None for None.
+    JSON values are kept (NUL replaced by U+FFFD); anything else is stored as its ``repr``
+    (NaN/Infinity too). A result over 1 MiB serialised is replaced by a note saying so.
+    Returns None for None.
     """
     if value is None:
         return None
     try:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError, RecursionError):
-        text = json.dumps(scrub_text(repr(value)), ensure_ascii=False)
+    except Exception:
+        try:
+            text = json.dumps(scrub_text(repr(value)), ensure_ascii=False)
+        except Exception:
+            text = json.dumps(f"<unrepresentable {type(value).__name__}>")
+    if len(text) > RESULT_MAX_BYTES:
+        return json.dumps(f"<result not stored: {len(text)} characters, the limit is "
+                          f"{RESULT_MAX_BYTES}>")
     text = _NUL_ESCAPE.sub(lambda m: m.group(0)[:-6] + "\ufffd", text)
     return scrub_text(text)

@@ -58,9 +58,17 @@ def rescue(conn: psycopg.Connection[Any], queries: Queries,
         queries.RESCUE,
         {"id": [c[0] for c in candidates], "lease_version": [c[1] for c in candidates]},
     ).fetchall()
-    for job_id, state in rows:
+    for job_id, state, _ in rows:
         log.warning("rescued job %s (lease expired) -> %s", job_id, state)
+    notify(conn, queries, {queue for _, state, queue in rows if state == "available"})
     return [(r[0], r[1]) for r in rows]
+
+
+def notify(conn: psycopg.Connection[Any], queries: Queries, queues: set[str]) -> None:
+    """Wake the workers of ``queues`` (delivered when ``conn``'s transaction commits)."""
+    if queues:
+        conn.execute(queries.NOTIFY_QUEUES, {"channel": channel_name(queries.schema),
+                                             "queues": sorted(queues)})
 
 
 def stage(conn: psycopg.Connection[Any], queries: Queries, schema: str,

@@ -51,7 +51,8 @@ SELECT id, idempotency_key FROM {schema}.jobs
 # --- claim ---------------------------------------------------------------------------------
 
 # One queue per statement (an ordered index scan; `queue = ANY(...)` would need a sort).
-# Marks the jobs running, starts the lease (the job's own lease_seconds, else the worker's),
+# Marks the jobs running, starts the lease (the job's own lease_seconds, else the worker's;
+# never shorter than min_lease, the shortest lease this worker's heartbeat keeps alive),
 # counts the attempt and bumps the fencing token.
 # Large args (serialised size over %(inline_bytes)s) are not returned here; see LOAD_ARGS.
 # held_tasks / held split lease-mode claims (held = false: every task but those) from claims
@@ -63,7 +64,8 @@ UPDATE {schema}.jobs AS j
    SET state = 'running',
        attempt = j.attempt + 1,
        attempted_at = now(),
-       lease_expires_at = now() + make_interval(secs => coalesce(j.lease_seconds, %(lease)s)),
+       lease_expires_at = now() + make_interval(secs => greatest(
+                              coalesce(j.lease_seconds, %(lease)s), %(min_lease)s)),
        lease_version = j.lease_version + 1,
        worker = %(worker)s
   FROM (SELECT id FROM {schema}.jobs
@@ -77,7 +79,8 @@ UPDATE {schema}.jobs AS j
 RETURNING j.id, j.queue, j.task,
           CASE WHEN j.args_bytes <= %(inline_bytes)s THEN j.args END AS args,
           j.priority, j.attempt, j.max_attempts, j.lease_version, j.created_at, j.run_at,
-          j.attempted_at, j.idempotency_key, coalesce(j.lease_seconds, %(lease)s) AS lease
+          j.attempted_at, j.idempotency_key,
+          greatest(coalesce(j.lease_seconds, %(lease)s), %(min_lease)s) AS lease
 """
 _UNCONTROLLED = """NOT EXISTS (SELECT 1 FROM {schema}.queues AS q WHERE q.name = %(queue)s
                   AND (q.paused OR q.concurrency_limit IS NOT NULL OR q.rate_limit IS NOT NULL))"""
@@ -190,7 +193,8 @@ RETURNING j.id, j.state
 # their lease; cancel_requested tells the worker to stop the handler.
 HEARTBEAT = """
 UPDATE {schema}.jobs AS j
-   SET lease_expires_at = now() + make_interval(secs => coalesce(j.lease_seconds, %(lease)s))
+   SET lease_expires_at = now() + make_interval(secs => greatest(
+                              coalesce(j.lease_seconds, %(lease)s), %(min_lease)s))
   FROM unnest(%(id)s::bigint[], %(lease_version)s::bigint[]) AS h(id, lease_version)
  WHERE j.id = h.id AND j.lease_version = h.lease_version AND j.state = 'running'
 RETURNING j.id, j.cancel_requested
@@ -245,7 +249,7 @@ UPDATE {schema}.jobs AS j
          ORDER BY s.id
            FOR UPDATE OF s SKIP LOCKED) AS r
  WHERE j.id = r.id
-RETURNING j.id, j.state
+RETURNING j.id, j.state, j.queue
 """
 
 # --- inspection and control ----------------------------------------------------------------
@@ -402,7 +406,12 @@ RETRY_DISCARDED = """
 UPDATE {schema}.jobs
    SET state = 'available', attempt = 0, run_at = now(), finished_at = NULL
  WHERE id = ANY(%(id)s::bigint[]) AND state = 'discarded'
-RETURNING id
+RETURNING id, queue
+"""
+
+# Wake the workers of some queues (jobs made available by the rescuer or by hand).
+NOTIFY_QUEUES = """
+SELECT pg_notify(%(channel)s, q) FROM unnest(%(queues)s::text[]) AS q
 """
 
 # Totals over a whole run (the demo and the benchmarks): jobs that needed more than one

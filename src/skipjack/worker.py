@@ -28,6 +28,7 @@ import os
 import secrets
 import signal
 import socket
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,11 +39,19 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from . import transactional
 from .app import CONNECT_KWARGS, Task
-from .completer import Completer, Outcome, WorkerStats, close_quietly, error_json, outcome_params
+from .completer import (
+    Completer,
+    Outcome,
+    WorkerStats,
+    close_quietly,
+    connection_lost,
+    error_json,
+    outcome_params,
+)
 from .context import Job, JobContext, set_current
 from .errors import ConfigError, Discard, Snooze
 from .heartbeat import Heartbeat, Leases
-from .jobs import QUEUE_MAX_BYTES, check_name, dump_result
+from .jobs import LEASE_MAX, QUEUE_MAX_BYTES, check_name, dump_result
 from .listener import listen
 from .maintenance import Maintenance
 from .reconnect import Backoff as ReconnectBackoff
@@ -126,11 +135,12 @@ class Worker:
         self.queues = tuple(self._queues)
         if not 1 <= self.concurrency <= 10_000:
             raise ConfigError(f"concurrency: {self.concurrency} is out of range 1..10000")
-        self.batch_size = self.batch_size or self.concurrency
+        if self.batch_size is None:
+            self.batch_size = self.concurrency
         if not 1 <= self.batch_size <= 10_000:
             raise ConfigError(f"batch_size: {self.batch_size} is out of range 1..10000")
-        if not self.lease > 0:
-            raise ConfigError(f"lease: must be > 0 seconds, got {self.lease}")
+        if not 0 < self.lease <= LEASE_MAX:
+            raise ConfigError(f"lease: {self.lease} seconds is out of range 0..{LEASE_MAX:.0f}")
         if self.heartbeat is None:
             self.heartbeat = min(self.lease / 6, 10.0)
         if not 0 < self.heartbeat < self.lease / 2:
@@ -159,6 +169,7 @@ class Worker:
         self._held_timeout_ms = 0
         self._default_backoff = Backoff()
         self._stop_requested = False
+        self._first_signal = 0.0
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._apool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
 
@@ -166,8 +177,15 @@ class Worker:
 
     def run(self) -> None:
         """Run until SIGTERM or SIGINT, then shut down gracefully. A second signal exits at
-        once with status 1 (the jobs' leases then expire and the rescuer returns them)."""
-        asyncio.run(self._run_with_signals())
+        once with status 1 (the jobs' leases then expire and the rescuer returns them).
+
+        Unlike ``asyncio.run``, it does not wait for handlers that ignored cancellation (their
+        jobs were already released)."""
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._run_with_signals())
+        finally:
+            loop.close()
 
     async def _run_with_signals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -177,8 +195,11 @@ class Worker:
 
     def _on_signal(self, sig: int) -> None:
         if self._stop_requested:
+            if time.monotonic() - self._first_signal < 1.0:
+                return  # the same stop sent twice (e.g. to the process group): not a second
             log.warning("second %s: exiting now", signal.Signals(sig).name)
             os._exit(1)
+        self._first_signal = time.monotonic()
         log.info("%s: stopping (grace %.1fs)", signal.Signals(sig).name, self.shutdown_grace)
         self.stop()
 
@@ -311,7 +332,12 @@ class Worker:
             for runner in self._held_runners:  # the process exit rolls their claims back
                 runner.cancel()
             if tasks:
-                await asyncio.wait(tasks)
+                await asyncio.wait(tasks, timeout=1.0)
+            for r in list(self._running.values()):  # a handler that ignores cancellation
+                log.warning("job %s ignored cancellation; releasing it", r.job.id)
+                self._running.pop(r.job.id, None)
+                self._completer.submit(Outcome(r.job.id, r.job.lease_version, r.job.queue,
+                                               "release"))
         try:
             await asyncio.wait_for(self._completer.flush(), timeout=max(self.shutdown_grace, 5.0))
         except TimeoutError:
@@ -335,6 +361,7 @@ class Worker:
 
     def _claim_params(self, queue: str, limit: int, held: bool) -> dict[str, Any]:
         return {"queue": queue, "limit": limit, "lease": self.lease, "worker": self.name,
+                "min_lease": 3 * (self.heartbeat or 0),
                 "inline_bytes": self.inline_args_bytes, "held_tasks": self._held_names,
                 "held": held}
 
@@ -506,11 +533,13 @@ class Worker:
             else:
                 outcome = Outcome(job.id, job.lease_version, job.queue, "complete",
                                   result=dump_result(result))
-        except asyncio.CancelledError:
-            outcome = self._after_cancel(job, task, ctx)
+        except asyncio.CancelledError as exc:
+            # ours (lease lost, cancel requested, shutdown) or the handler's own
+            outcome = (self._after_cancel(job, task, ctx) if ctx.cancelled.is_set()
+                       else self._failure(job, task, exc))
         except Snooze as exc:
             outcome = Outcome(job.id, job.lease_version, job.queue, "release", delay=exc.seconds)
-        except Exception as exc:
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a handler never ends us
             if ctx.cancelled.is_set():
                 outcome = self._after_cancel(job, task, ctx, exc)
             else:
@@ -530,7 +559,7 @@ class Worker:
         error = error_json(job, exc)
         if isinstance(exc, Discard):
             return Outcome(job.id, job.lease_version, job.queue, "discard", error=error)
-        if task is not None and task.transaction != "none" and _connection_lost(exc):
+        if task is not None and task.transaction != "none" and connection_lost(exc):
             # the database went away under the job's own transaction: not the job's fault,
             # so the attempt is not counted
             return Outcome(job.id, job.lease_version, job.queue, "release",
@@ -623,12 +652,6 @@ class Worker:
         running.ctx.cancel(reason)
         if running.is_async and running.task is not None:
             running.task.cancel()
-
-def _connection_lost(exc: BaseException) -> bool:
-    """Did the database connection itself fail (as opposed to a statement)?"""
-    return isinstance(exc, psycopg.OperationalError) and not isinstance(
-        exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
-
 
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
     try:
