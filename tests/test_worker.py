@@ -47,7 +47,7 @@ def running(app: App) -> int:
 
 def test_eight_processes_drain_2000_jobs_exactly_once(tasks: App, tmp_path: Path) -> None:
     ids = enqueue(tasks, "sleep", 2000, seconds=0.002)
-    workers = [WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "8",
+    workers = [WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "4",
                              *FAST, log=tmp_path / f"w{i}.log") for i in range(8)]
     try:
         wait_until(lambda: states(tasks.dsn, tasks.schema).get("succeeded") == 2000,

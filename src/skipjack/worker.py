@@ -387,8 +387,7 @@ class Worker:
                         break
                     if self._held_names and self._held_due[queue]:
                         self._held_due[queue] = False
-                        for _ in range(min(free, self.batch_size or free)):
-                            self._spawn_held(queue)
+                        self._spawn_held(queue)  # it spawns another each time it finds a job
                         continue
                     if not self._due[queue]:
                         continue
@@ -432,13 +431,20 @@ class Worker:
         self._held_runners.add(runner)
         runner.add_done_callback(self._held_runners.discard)
 
+    def _grow_held(self, queue: str) -> None:
+        if not self._stopping.is_set() and self._busy() < self.concurrency:
+            self._spawn_held(queue)
+
     async def _held_runner(self, queue: str) -> None:
-        """Claim and run jobs one at a time in held transactions until the queue has none."""
+        """Claim and run jobs one at a time in held transactions until the queue has none.
+        Each claim that finds a job starts one more runner while slots are free, so the
+        runners grow with the work instead of polling with empty transactions."""
+        grow = self._threadsafe(self._grow_held)
         try:
             while not self._stopping.is_set():
                 try:
                     outcome, state = await self._in_thread(
-                        functools.partial(self._held_once, queue))
+                        functools.partial(self._held_once, queue, grow))
                 except psycopg.Error as exc:  # the transaction rolled back: the job is free
                     log.warning("held claim on %s failed: %s", queue, str(exc).strip())
                     await _sleep_unless(self._stopping, self._default_backoff.delay(1))
@@ -452,7 +458,8 @@ class Worker:
             self._held_busy -= 1
             self._wakeup.set()
 
-    def _held_once(self, queue: str) -> tuple[Outcome | None, str | None]:
+    def _held_once(self, queue: str,
+                   on_claimed: Callable[[str], None]) -> tuple[Outcome | None, str | None]:
         """In a handler thread: claim one job in a transaction, run it, record the outcome in
         the same transaction, commit. Returns (outcome, new state), or (None, None)."""
         q, pool = self.app.queries, self._pool
@@ -462,6 +469,7 @@ class Worker:
             row = conn.execute(q.CLAIM, self._claim_params(queue, 1, held=True)).fetchone()
             if row is None:
                 return None, None
+            on_claimed(queue)
             job = Job(*row)
             task = self.app.tasks[job.task]
             ctx = JobContext(job, conn=conn)
