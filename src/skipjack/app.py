@@ -183,6 +183,9 @@ class App(Control):
             None: ``$SKIPJACK_SCHEMA``, else ``skipjack``.
         max_args_bytes: the limit on serialised job args, in bytes (<= 255 MiB, jsonb's own
             limit is about 255 MB).
+        prepare: let psycopg prepare statements it runs often (the default). Set False when
+            enqueueing through a transaction-mode pooler that cannot keep prepared
+            statements (PgBouncer before 1.21).
 
     Raises:
         ValidationError: bad schema name or size limit.
@@ -194,6 +197,7 @@ class App(Control):
         *,
         schema: str | None = None,
         max_args_bytes: int = DEFAULT_MAX_ARGS_BYTES,
+        prepare: bool = True,
     ) -> None:
         schema = schema or os.environ.get("SKIPJACK_SCHEMA") or "skipjack"
         if not isinstance(schema, str) or not _SCHEMA_RE.fullmatch(schema):
@@ -206,6 +210,9 @@ class App(Control):
         self.schema = schema
         self.max_args_bytes = max_args_bytes
         self.queries = Queries(schema)
+        self.connect_kwargs: dict[str, Any] = {**CONNECT_KWARGS, "autocommit": True}
+        if not prepare:
+            self.connect_kwargs["prepare_threshold"] = None
         self.tasks: dict[str, Task] = {}
         self.crons: dict[str, CronEntry] = {}
         self._lock = threading.Lock()
@@ -350,12 +357,12 @@ class App(Control):
 
     def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
         """A new sync connection to the app's database (autocommit unless told otherwise)."""
-        opts = {**CONNECT_KWARGS, "autocommit": True, **kwargs}
+        opts = {**self.connect_kwargs, **kwargs}
         return psycopg.connect(self.dsn, **opts)
 
     async def connect_async(self, **kwargs: Any) -> psycopg.AsyncConnection[Any]:
         """A new async connection to the app's database (autocommit unless told otherwise)."""
-        opts = {**CONNECT_KWARGS, "autocommit": True, **kwargs}
+        opts = {**self.connect_kwargs, **kwargs}
         return await psycopg.AsyncConnection.connect(self.dsn, **opts)
 
     def _sync_pool(self) -> ConnectionPool[psycopg.Connection[Any]]:
@@ -363,7 +370,7 @@ class App(Control):
             if self._pool is None:
                 self._pool = ConnectionPool(
                     self._dsn or resolve_dsn(), min_size=1, max_size=4, open=False,
-                    kwargs={**CONNECT_KWARGS, "autocommit": True},
+                    kwargs=self.connect_kwargs,
                 )
                 self._pool.open()
             return self._pool
@@ -372,7 +379,7 @@ class App(Control):
         if self._apool is None:
             pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
                 self.dsn, min_size=1, max_size=4, open=False,
-                kwargs={**CONNECT_KWARGS, "autocommit": True},
+                kwargs=self.connect_kwargs,
             )
             await pool.open()
             self._apool = pool

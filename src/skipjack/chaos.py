@@ -28,7 +28,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from . import embedded
-from .app import CONNECT_KWARGS, App, resolve_dsn
+from .app import App, resolve_dsn
 from .context import current_job
 
 app = App(schema=os.environ.get("SKIPJACK_SCHEMA", "skipjack_chaos"))
@@ -41,7 +41,7 @@ def _log_start(params: dict[str, Any]) -> None:
     global _log_pool
     with _log_lock:
         if _log_pool is None:
-            _log_pool = ConnectionPool(app.dsn, min_size=1, max_size=2, kwargs=CONNECT_KWARGS,
+            _log_pool = ConnectionPool(app.dsn, min_size=1, max_size=2, kwargs=app.connect_kwargs,
                                        open=True)
     with _log_pool.connection() as conn:
         conn.execute(app.queries.CHAOS_START, params)

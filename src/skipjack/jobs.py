@@ -93,17 +93,6 @@ def unique_states_mask(states: Iterable[str] | None) -> int:
     return mask
 
 
-def check_timeout(value: object) -> float | None:
-    """Seconds of a per-task timeout; raises ValidationError outside 0.001..604,800."""
-    if value is None:
-        return None
-    if not isinstance(value, int | float) or isinstance(value, bool) or not (
-            math.isfinite(value) and 0.001 <= value <= LEASE_MAX):
-        raise ValidationError("timeout", f"{value!r} is not a number of seconds in "
-                              f"0.001..{LEASE_MAX:.0f}")
-    return float(value)
-
-
 def check_name(field: str, value: object, max_bytes: int) -> str:
     """Validate a queue or task name. Returns it unchanged.
 
@@ -127,26 +116,52 @@ def check_name(field: str, value: object, max_bytes: int) -> str:
     return value
 
 
+def _int_in(field: str, value: object, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValidationError(field, f"must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValidationError(field, f"{value} is out of range {low}..{high}")
+    return value
+
+
+def _seconds_in(field: str, value: object, low: float, high: float) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ValidationError(
+            field, f"must be seconds or a timedelta, got {type(value).__name__}")
+    if not (math.isfinite(seconds) and low <= seconds <= high):
+        raise ValidationError(field, f"{seconds!r} seconds is out of range {low:g}..{high:.0f}")
+    return seconds
+
+
 def check_priority(value: object) -> int:
     """Raises ValidationError unless ``value`` is an int in -100..100."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValidationError("priority", f"must be an int, got {type(value).__name__}")
-    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
-        raise ValidationError(
-            "priority", f"{value} is out of range {PRIORITY_MIN}..{PRIORITY_MAX}"
-        )
-    return value
+    return _int_in("priority", value, PRIORITY_MIN, PRIORITY_MAX)
 
 
 def check_max_attempts(value: object) -> int:
     """Raises ValidationError unless ``value`` is an int in 1..10,000."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValidationError("max_attempts", f"must be an int, got {type(value).__name__}")
-    if not 1 <= value <= MAX_ATTEMPTS_LIMIT:
-        raise ValidationError(
-            "max_attempts", f"{value} is out of range 1..{MAX_ATTEMPTS_LIMIT}"
-        )
-    return value
+    return _int_in("max_attempts", value, 1, MAX_ATTEMPTS_LIMIT)
+
+
+def check_delay(value: object) -> float | None:
+    """Seconds from a number or timedelta; raises ValidationError outside 0..10 years."""
+    return _seconds_in("delay", value, 0, MAX_DELAY_SECONDS)
+
+
+def check_lease(value: object) -> float | None:
+    """Seconds of a per-task lease; raises ValidationError outside 0.1..604,800."""
+    return _seconds_in("lease", value, LEASE_MIN, LEASE_MAX)
+
+
+def check_timeout(value: object) -> float | None:
+    """Seconds of a per-task timeout; raises ValidationError outside 0.001..604,800."""
+    return _seconds_in("timeout", value, 0.001, LEASE_MAX)
 
 
 def check_run_at(value: object) -> datetime | None:
@@ -161,25 +176,6 @@ def check_run_at(value: object) -> datetime | None:
             "naive datetime: pass an aware one (e.g. datetime.now(timezone.utc)) or use delay",
         )
     return value
-
-
-def check_delay(value: object) -> float | None:
-    """Seconds from a number or timedelta; raises ValidationError outside 0..10 years."""
-    if value is None:
-        return None
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise ValidationError(
-            "delay", f"must be seconds or a timedelta, got {type(value).__name__}"
-        )
-    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_DELAY_SECONDS):
-        raise ValidationError(
-            "delay", f"{seconds!r} seconds is out of range 0..{MAX_DELAY_SECONDS:.0f}"
-        )
-    return seconds
 
 
 def check_idempotency_key(value: object) -> str | None:
@@ -201,19 +197,6 @@ def check_idempotency_key(value: object) -> str | None:
         raise ValidationError("idempotency_key", "holds a lone surrogate (invalid "
                               "Unicode)") from None
     return value
-
-
-def check_lease(value: object) -> float | None:
-    """Seconds of a per-task lease; raises ValidationError outside 0.1..604,800."""
-    if value is None:
-        return None
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ValidationError("lease", f"must be seconds, got {type(value).__name__}")
-    if not (math.isfinite(value) and LEASE_MIN <= value <= LEASE_MAX):
-        raise ValidationError(
-            "lease", f"{value!r} seconds is out of range {LEASE_MIN}..{LEASE_MAX:.0f}"
-        )
-    return float(value)
 
 
 TRANSACTION_MODES = ("none", "complete", "claim")

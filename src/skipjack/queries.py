@@ -498,6 +498,15 @@ INSERT INTO {schema}.migrations (version, name) VALUES (%(version)s, %(name)s)
 """
 
 
+# A round trip through LISTEN/NOTIFY, to check notifications reach the worker's sessions.
+PROBE_NOTIFY = "SELECT pg_notify(%(channel)s, 'probe')"
+
+
+def listen(channel: str) -> sql.Composed:
+    """``LISTEN channel`` with the channel quoted as an identifier."""
+    return sql.SQL("LISTEN {}").format(sql.Identifier(channel))
+
+
 @dataclass(frozen=True)
 class Queries:
     """The statements above, rendered for one schema.

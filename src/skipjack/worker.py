@@ -38,7 +38,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from . import transactional
-from .app import CONNECT_KWARGS, Task
+from .app import Task
 from .completer import (
     Completer,
     Outcome,
@@ -52,7 +52,7 @@ from .context import Job, JobContext, set_current
 from .errors import ConfigError, Discard, Snooze
 from .heartbeat import Heartbeat, Leases
 from .jobs import LEASE_MAX, QUEUE_MAX_BYTES, check_name, dump_result
-from .listener import listen
+from .listener import listen, probe
 from .maintenance import Maintenance
 from .reconnect import Backoff as ReconnectBackoff
 from .retry import Backoff
@@ -232,6 +232,7 @@ class Worker:
         self._held_names = [t.name for t in held]
         self._held_timeout_ms = int(1000 * max([t.lease or self.lease for t in held], default=0))
         await asyncio.to_thread(self.app.check_schema)
+        await probe(self.app)
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -301,12 +302,12 @@ class Worker:
         atomic = [t for t in self.app.tasks.values() if t.transaction != "none"]
         if any(not inspect.iscoroutinefunction(t.fn) for t in atomic):
             self._pool = ConnectionPool(self.app.dsn, min_size=0, max_size=self.concurrency,
-                                        kwargs=CONNECT_KWARGS, open=False)
+                                        kwargs=self.app.connect_kwargs, open=False)
             await asyncio.to_thread(self._pool.open)
         if any(inspect.iscoroutinefunction(t.fn) for t in atomic):
             self._apool = AsyncConnectionPool(self.app.dsn, min_size=0,
                                               max_size=self.concurrency,
-                                              kwargs=CONNECT_KWARGS, open=False)
+                                              kwargs=self.app.connect_kwargs, open=False)
             await self._apool.open()
 
     def _check_task_leases(self) -> None:
