@@ -70,6 +70,17 @@ def query(dsn: str, statement: str, params: Any = None, schema: str | None = Non
         return cur.fetchall() if cur.description else []
 
 
+def migration_locks(dsn: str, schema: str) -> int:
+    """Advisory locks held on ``schema``'s migration key (other software may hold others)."""
+    from skipjack.migrate import _lock_key
+
+    key = _lock_key(schema)
+    rows = query(dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "
+                      "classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1",
+                 [(key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF])
+    return int(rows[0][0])
+
+
 def states(dsn: str, schema: str) -> dict[str, int]:
     rows = query(dsn, "SELECT state, count(*) FROM {schema}.jobs GROUP BY state", schema=schema)
     return dict(rows)

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from support import Server, WorkerProcess, query, wait_until
 
 from skipjack import App
+
+from support import Server, WorkerProcess, migration_locks, wait_until
 
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 
@@ -84,5 +85,5 @@ def test_fc29_through_pgbouncer_transaction_mode(bouncer: str, schema: str, serv
     w = WorkerProcess(bouncer, schema, ["default"], "--lease", "5", log=tmp_path / "w.log")
     assert w.wait(60) == 2
     assert "transaction-mode pooler" in w.log()
-    assert query(server.dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [(0,)]
+    assert migration_locks(server.dsn, schema) == 0
     app.close()
