@@ -93,6 +93,10 @@ class Worker:
         retention: seconds to keep succeeded and cancelled jobs; this worker then prunes
             older ones (default None: no pruning here).
         discarded_retention: seconds to keep discarded jobs (default 10 x retention).
+        prefetch: jobs claimed ahead of free slots (default ``concurrency``, at most 100), so
+            a slot that frees starts its next job at once instead of after a claim round
+            trip. Their leases are renewed while they wait; they count as started (an
+            attempt) and are released at shutdown. 0 claims only for free slots.
         fairness_every: every n-th claim from a queue takes the oldest runnable jobs
             whatever their priority, so no priority waits forever (0 disables: strict
             priority, where a steady stream of higher priorities starves lower ones).
@@ -121,6 +125,7 @@ class Worker:
     retention: float | None = None
     discarded_retention: float | None = None
     fairness_every: int = 10
+    prefetch: int | None = None
     shutdown_grace: float = 30.0
     name: str = ""
     listen_health_interval: float = 10.0
@@ -137,6 +142,10 @@ class Worker:
             raise ConfigError(f"concurrency: {self.concurrency} is out of range 1..10000")
         if self.batch_size is None:
             self.batch_size = self.concurrency
+        if self.prefetch is None:
+            self.prefetch = min(self.concurrency, 100)
+        if not 0 <= self.prefetch <= 10_000:
+            raise ConfigError(f"prefetch: {self.prefetch} is out of range 0..10000")
         if not 1 <= self.batch_size <= 10_000:
             raise ConfigError(f"batch_size: {self.batch_size} is out of range 1..10000")
         if not 0 < self.lease <= LEASE_MAX:
@@ -159,6 +168,7 @@ class Worker:
         self.name = self.name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._leases = Leases()
         self._running: dict[int, _Running] = {}
+        self._ready: dict[int, Job] = {}  # claimed, waiting for a slot (insertion order)
         self._due = dict.fromkeys(self._queues, True)
         self._held_due = dict.fromkeys(self._queues, True)
         self._held_busy = 0
@@ -319,7 +329,11 @@ class Worker:
                 )
 
     async def _drain(self) -> None:
-        """Let running jobs finish within the grace period, release the rest, flush."""
+        """Release buffered jobs, let running ones finish within the grace period, release
+        the rest, flush the outcomes."""
+        for job in self._ready.values():
+            self._completer.submit(Outcome(job.id, job.lease_version, job.queue, "release"))
+        self._ready.clear()
         if self._busy():
             log.info("waiting up to %.1fs for %d running jobs", self.shutdown_grace,
                      self._busy())
@@ -358,7 +372,17 @@ class Worker:
         self._wakeup.set()
 
     def _busy(self) -> int:
+        """Jobs executing now."""
         return len(self._running) + self._held_busy
+
+    def _room(self) -> int:
+        """How many more jobs the producer should claim now: the free slots plus the
+        prefetch buffer's free places, but nothing while the buffer is over half full (so
+        claims come in batches rather than one job per finished job)."""
+        prefetch = self.prefetch or 0
+        if self._ready and len(self._ready) > prefetch // 2:
+            return 0
+        return self.concurrency + prefetch - self._busy() - len(self._ready)
 
     def _claim_params(self, queue: str, limit: int, held: bool) -> dict[str, Any]:
         return {"queue": queue, "limit": limit, "lease": self.lease, "worker": self.name,
@@ -383,7 +407,7 @@ class Worker:
                 order = self._queues[start:] + self._queues[:start]
                 start = (start + 1) % len(self._queues)
                 for queue in order:
-                    free = self.concurrency - self._busy()
+                    free = self._room()
                     if free <= 0 or self._stopping.is_set():
                         break
                     if self._held_names and self._held_due[queue]:
@@ -413,8 +437,9 @@ class Worker:
                     if len(rows) < want:
                         self._due[queue] = False
                     for row in rows:
-                        self._start(Job(*row))
-                free = self.concurrency - self._busy()
+                        self._buffer(Job(*row))
+                    self._fill()
+                free = self._room()
                 if (free > 0 and any(self._due.values())) or self._stopping.is_set():
                     continue
                 try:
@@ -507,14 +532,24 @@ class Worker:
         return await (await conn.execute(q.CLAIM_OLDEST if oldest else q.CLAIM,
                                          params)).fetchall()
 
-    def _start(self, job: Job) -> None:
+    def _buffer(self, job: Job) -> None:
+        """A claimed job waits here for a slot; its lease is renewed meanwhile."""
         self.stats.claimed += 1
+        self._leases.add(job.id, job.lease_version, job.lease)
+        self._ready[job.id] = job
+
+    def _fill(self) -> None:
+        """Start buffered jobs while slots are free (FIFO)."""
+        while self._ready and self._busy() < self.concurrency and not self._stopping.is_set():
+            job_id = next(iter(self._ready))
+            self._start(self._ready.pop(job_id))
+
+    def _start(self, job: Job) -> None:
         ctx = JobContext(job)
         task = self.app.tasks.get(job.task)
         is_async = task is not None and inspect.iscoroutinefunction(task.fn)
         running = _Running(job, ctx, is_async=is_async)
         self._running[job.id] = running
-        self._leases.add(job.id, job.lease_version, job.lease)
         running.task = asyncio.create_task(self._execute(running), name=f"skipjack-job-{job.id}")
 
     # --- executor ------------------------------------------------------------------------
@@ -555,6 +590,7 @@ class Worker:
                 outcome = self._failure(job, task, exc)
         finally:
             self._running.pop(job.id, None)
+            self._fill()  # the next buffered job takes the slot at once
             if job.queue in self._controlled:
                 self._due[job.queue] = True  # a slot of its limit may be free again
             self._wakeup.set()
@@ -644,6 +680,11 @@ class Worker:
         return call
 
     def _cancel_requested(self, job_id: int, lease_version: int) -> None:
+        waiting = self._ready.get(job_id)
+        if waiting is not None and waiting.lease_version == lease_version:
+            del self._ready[job_id]
+            self._completer.submit(Outcome(job_id, lease_version, waiting.queue, "cancel"))
+            return
         running = self._running.get(job_id)
         if running is None or running.job.lease_version != lease_version:
             return
@@ -653,6 +694,12 @@ class Worker:
             running.task.cancel()
 
     def _lease_lost(self, job_id: int, lease_version: int, reason: str) -> None:
+        waiting = self._ready.get(job_id)
+        if waiting is not None and waiting.lease_version == lease_version:
+            del self._ready[job_id]
+            self.stats.leases_lost += 1
+            log.warning("job %s: %s before it started; dropping it", job_id, reason)
+            return
         running = self._running.get(job_id)
         if running is None or running.job.lease_version != lease_version:
             return
