@@ -1,0 +1,117 @@
+"""W3 enqueue-to-start latency on an idle worker, and W5 latency under a steady load."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from typing import Any
+
+from ..app import App
+from .common import QUEUE, Settings, count_state, fresh_app, percentiles
+from .worker_run import StateCounter, run_worker
+
+TASK = "bench.latency"
+
+
+def _latency_app(app: App, seen: list[float]) -> None:
+    @app.task(name=TASK, queue=QUEUE)
+    async def latency(t0: float) -> None:
+        """Records handler start minus the moment before the enqueue call, in ms."""
+        seen.append((time.time() - t0) * 1000)
+
+
+def w3(settings: Settings) -> dict[str, Any]:
+    """W3: an idle in-process worker (concurrency 10, woken by LISTEN/NOTIFY); 300 jobs
+    enqueued one at a time, 20 ms apart, from the same process. Milliseconds."""
+    jobs = settings.n(300, minimum=30)
+    settings.log(f"W3 latency: {jobs} jobs enqueued 20 ms apart to an idle worker")
+    runs = []
+    for _ in range(settings.runs):
+        seen: list[float] = []
+        with fresh_app(settings.dsn, "w3") as app:
+            _latency_app(app, seen)
+            task = app.tasks[TASK]
+
+            async def feed() -> None:
+                await asyncio.sleep(0.5)  # the worker is listening and idle
+                for _ in range(jobs):
+                    await task.enqueue_async(t0=time.time())
+                    await asyncio.sleep(0.02)
+                while len(seen) < jobs:
+                    await asyncio.sleep(0.01)
+
+            run_worker(app, concurrency=10, until=feed, timeout=30 + jobs * 0.1)
+        runs.append(percentiles(seen))
+    out: dict[str, Any] = {"jobs": jobs}
+    for key in runs[0]:
+        values = [r[key] for r in runs if r[key] is not None]
+        out[f"{key}_ms"] = round(sorted(values)[len(values) // 2], 3) if values else None
+    out["runs"] = runs
+    return out
+
+
+def _produce(dsn: str, schema: str, per_second: float, seconds: float) -> None:
+    """Child process: enqueue ``per_second`` jobs a second for ``seconds``, every 10 ms."""
+    app = App(dsn, schema=schema)
+    _latency_app(app, [])
+    task = app.tasks[TASK]
+    tick = 0.01
+    started = time.monotonic()
+    sent = 0
+    while (elapsed := time.monotonic() - started) < seconds:
+        due = round(per_second * min(elapsed + tick, seconds)) - sent
+        if due > 0:
+            t0 = time.time()
+            app.enqueue_many([task.job(t0=t0) for _ in range(due)])
+            sent += due
+        time.sleep(max(0.0, started + elapsed + tick - time.monotonic()))
+    app.close()
+
+
+def w5(settings: Settings, max_rate: float, concurrency: int) -> dict[str, Any]:
+    """W5: a producer process enqueues at 50% and 90% of the W2 maximum while one
+    in-process worker works; latency percentiles (ms) of handler start - enqueue time."""
+    seconds = settings.seconds(10.0, 1.5)
+    out: dict[str, Any] = {"w2_max_jobs_per_s": max_rate, "seconds": seconds,
+                           "concurrency": concurrency, "by_load": {}}
+    spawn = multiprocessing.get_context("spawn")
+    for share in (0.5, 0.9):
+        target = max_rate * share
+        settings.log(f"W5 continuous: {target:.0f} jobs/s for {seconds:.0f} s")
+        seen: list[float] = []
+        with fresh_app(settings.dsn, "w5") as app:
+            _latency_app(app, seen)
+            counter = StateCounter(app)
+            producer = spawn.Process(target=_produce,
+                                     args=(app.dsn, app.schema, target, seconds))
+
+            async def until() -> None:
+                producer.start()
+                while producer.is_alive():
+                    await asyncio.sleep(0.05)
+                total = await asyncio.to_thread(count_all, app)
+                while await asyncio.to_thread(counter) < total:
+                    await asyncio.sleep(0.05)
+
+            try:
+                started = time.monotonic()
+                run_worker(app, concurrency=concurrency, until=until, timeout=seconds + 120)
+                elapsed = time.monotonic() - started
+            finally:
+                counter.close()
+                if producer.is_alive():
+                    producer.kill()
+                producer.join()
+        out["by_load"][f"{round(share * 100)}%"] = {
+            "target_jobs_per_s": round(target, 1),
+            "achieved_jobs_per_s": round(len(seen) / seconds, 1),
+            "jobs": len(seen), "wall_seconds": round(elapsed, 2),
+            **{f"{k}_ms": v for k, v in percentiles(seen).items()}}
+    return out
+
+
+def count_all(app: App) -> int:
+    """Every job in the app's schema, whatever its state."""
+    return sum(count_state(app, s) for s in ("available", "running", "succeeded"))
+
