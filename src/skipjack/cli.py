@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .app import App
+from .bench.command import bench
 from .errors import SkipjackError
 
 
@@ -185,6 +186,9 @@ def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
     else:
         Console().print_json(json.dumps(summary))
     sys.exit(1 if summary["lost"] else 0)
+
+
+main.add_command(bench)
 
 
 def run() -> None:

@@ -10,13 +10,14 @@ import contextlib
 import secrets
 import statistics
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 from ..app import App
 
@@ -57,10 +58,11 @@ def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
 
 
 def with_dbname(dsn: str, dbname: str) -> str:
-    """The same server and credentials, another database."""
-    params = conninfo_to_dict(dsn)
-    params["dbname"] = dbname
-    return make_conninfo(**{k: v for k, v in params.items() if v is not None})
+    """The same server and credentials, another database (a URI stays a URI)."""
+    parts = urllib.parse.urlsplit(dsn)
+    if parts.scheme in ("postgres", "postgresql"):
+        return urllib.parse.urlunsplit(parts._replace(path="/" + urllib.parse.quote(dbname)))
+    return make_conninfo(dsn, dbname=dbname)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -29,8 +30,8 @@ def w2(settings: Settings, concurrencies: tuple[int, ...] = (1, 10, 100)) -> dic
     out: dict[str, Any] = {"jobs": jobs, "by_concurrency": {}}
     for c in concurrencies:
         settings.log(f"W2 drain: {jobs} jobs, concurrency {c}")
-        out["by_concurrency"][str(c)] = repeat(settings.runs,
-                                               lambda c=c: _drain_once(settings, jobs, c))
+        out["by_concurrency"][str(c)] = repeat(
+            settings.runs, functools.partial(_drain_once, settings, jobs, c))
     best = max(concurrencies, key=lambda c: out["by_concurrency"][str(c)]["jobs_per_s"] or 0)
     out["best_concurrency"] = best
     out["best_jobs_per_s"] = out["by_concurrency"][str(best)]["jobs_per_s"]

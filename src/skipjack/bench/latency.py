@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ..app import App
-from .common import QUEUE, Settings, count_state, fresh_app, percentiles
+from .common import QUEUE, Settings, count_state, fresh_app, median, percentiles
 from .worker_run import StateCounter, run_worker
 
 TASK = "bench.latency"
@@ -21,33 +21,37 @@ def _latency_app(app: App, seen: list[float]) -> None:
         seen.append((time.time() - t0) * 1000)
 
 
+def _w3_once(settings: Settings, jobs: int) -> list[float]:
+    seen: list[float] = []
+    with fresh_app(settings.dsn, "w3") as app:
+        _latency_app(app, seen)
+        task = app.tasks[TASK]
+
+        async def feed() -> None:
+            await asyncio.sleep(0.5)  # the worker is listening and idle
+            for _ in range(jobs):
+                await task.enqueue_async(t0=time.time())
+                await asyncio.sleep(0.02)
+            while len(seen) < jobs:
+                await asyncio.sleep(0.01)
+
+        run_worker(app, concurrency=10, until=feed, timeout=30 + jobs * 0.1)
+    return seen
+
+
 def w3(settings: Settings) -> dict[str, Any]:
     """W3: an idle in-process worker (concurrency 10, woken by LISTEN/NOTIFY); 300 jobs
-    enqueued one at a time, 20 ms apart, from the same process. Milliseconds."""
+    enqueued one at a time, 20 ms apart, from the same process. Milliseconds; the median of
+    each percentile over ``settings.runs`` runs."""
     jobs = settings.n(300, minimum=30)
     settings.log(f"W3 latency: {jobs} jobs enqueued 20 ms apart to an idle worker")
-    runs = []
-    for _ in range(settings.runs):
-        seen: list[float] = []
-        with fresh_app(settings.dsn, "w3") as app:
-            _latency_app(app, seen)
-            task = app.tasks[TASK]
-
-            async def feed() -> None:
-                await asyncio.sleep(0.5)  # the worker is listening and idle
-                for _ in range(jobs):
-                    await task.enqueue_async(t0=time.time())
-                    await asyncio.sleep(0.02)
-                while len(seen) < jobs:
-                    await asyncio.sleep(0.01)
-
-            run_worker(app, concurrency=10, until=feed, timeout=30 + jobs * 0.1)
-        runs.append(percentiles(seen))
+    samples = [_w3_once(settings, jobs) for _ in range(settings.runs)]
+    runs = [percentiles(s) for s in samples]
     out: dict[str, Any] = {"jobs": jobs}
     for key in runs[0]:
-        values = [r[key] for r in runs if r[key] is not None]
-        out[f"{key}_ms"] = round(sorted(values)[len(values) // 2], 3) if values else None
+        out[f"{key}_ms"] = median([r[key] for r in runs])
     out["runs"] = runs
+    out["samples"] = [round(x, 3) for x in samples[-1]]
     return out
 
 
@@ -69,49 +73,53 @@ def _produce(dsn: str, schema: str, per_second: float, seconds: float) -> None:
     app.close()
 
 
-def w5(settings: Settings, max_rate: float, concurrency: int) -> dict[str, Any]:
-    """W5: a producer process enqueues at 50% and 90% of the W2 maximum while one
-    in-process worker works; latency percentiles (ms) of handler start - enqueue time."""
-    seconds = settings.seconds(10.0, 1.5)
-    out: dict[str, Any] = {"w2_max_jobs_per_s": max_rate, "seconds": seconds,
-                           "concurrency": concurrency, "by_load": {}}
+def _w5_once(settings: Settings, target: float, seconds: float, concurrency: int
+             ) -> dict[str, Any]:
+    seen: list[float] = []
     spawn = multiprocessing.get_context("spawn")
-    for share in (0.5, 0.9):
-        target = max_rate * share
-        settings.log(f"W5 continuous: {target:.0f} jobs/s for {seconds:.0f} s")
-        seen: list[float] = []
-        with fresh_app(settings.dsn, "w5") as app:
-            _latency_app(app, seen)
-            counter = StateCounter(app)
-            producer = spawn.Process(target=_produce,
-                                     args=(app.dsn, app.schema, target, seconds))
+    with fresh_app(settings.dsn, "w5") as app:
+        _latency_app(app, seen)
+        counter = StateCounter(app)
+        producer = spawn.Process(target=_produce, args=(app.dsn, app.schema, target, seconds))
 
-            async def until() -> None:
-                producer.start()
-                while producer.is_alive():
-                    await asyncio.sleep(0.05)
-                total = await asyncio.to_thread(count_all, app)
-                while await asyncio.to_thread(counter) < total:
-                    await asyncio.sleep(0.05)
+        async def until() -> None:
+            producer.start()
+            while producer.is_alive():
+                await asyncio.sleep(0.05)
+            total = await asyncio.to_thread(count_all, app)
+            while await asyncio.to_thread(counter) < total:
+                await asyncio.sleep(0.05)
 
-            try:
-                started = time.monotonic()
-                run_worker(app, concurrency=concurrency, until=until, timeout=seconds + 120)
-                elapsed = time.monotonic() - started
-            finally:
-                counter.close()
-                if producer.is_alive():
-                    producer.kill()
+        try:
+            started = time.monotonic()
+            run_worker(app, concurrency=concurrency, until=until, timeout=seconds + 120)
+            elapsed = time.monotonic() - started
+        finally:
+            counter.close()
+            if producer.is_alive():
+                producer.kill()
+            if producer.pid is not None:
                 producer.join()
-        out["by_load"][f"{round(share * 100)}%"] = {
-            "target_jobs_per_s": round(target, 1),
+    return {"target_jobs_per_s": round(target, 1),
             "achieved_jobs_per_s": round(len(seen) / seconds, 1),
             "jobs": len(seen), "wall_seconds": round(elapsed, 2),
             **{f"{k}_ms": v for k, v in percentiles(seen).items()}}
+
+
+def w5(settings: Settings, max_rate: float, concurrency: int) -> dict[str, Any]:
+    """W5: a producer process enqueues at 50% and 90% of the W2 maximum (every 10 ms) while
+    one in-process worker works; latency percentiles (ms) of handler start - enqueue time."""
+    seconds = settings.seconds(10.0, 1.5)
+    out: dict[str, Any] = {"w2_max_jobs_per_s": max_rate, "seconds": seconds,
+                           "concurrency": concurrency, "by_load": {}}
+    for share in (0.5, 0.9):
+        target = max_rate * share
+        settings.log(f"W5 continuous: {target:.0f} jobs/s for {seconds:.0f} s")
+        out["by_load"][f"{round(share * 100)}%"] = _w5_once(settings, target, seconds,
+                                                             concurrency)
     return out
 
 
 def count_all(app: App) -> int:
     """Every job in the app's schema, whatever its state."""
     return sum(count_state(app, s) for s in ("available", "running", "succeeded"))
-
