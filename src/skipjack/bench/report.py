@@ -63,7 +63,7 @@ def _target(name: str, value: float | None, goal: str, met: bool | None) -> dict
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 4's targets, each with the measured value and whether it is met (None: not
     measured in this run)."""
-    sj = results["skipjack"]
+    sj = {k: v for k, v in results["skipjack"].items() if "error" not in v}
     out = []
 
     def vs_peer(name: str, ours: tuple[str, ...], theirs: tuple[str, ...], factor: float,
@@ -152,6 +152,10 @@ def _other_table(sj: dict[str, Any]) -> Table:
     t = Table(title="skipjack: everything else")
     t.add_column("scenario")
     t.add_column("figures")
+    for name, figures in sj.items():
+        if "error" in figures:
+            t.add_row(f"{name} FAILED", str(figures["error"]))
+    sj = {k: v for k, v in sj.items() if "error" not in v}
     w2 = sj.get("w2", {})
     if w2:
         by = ", ".join(f"c={c}: {_fmt(v['jobs_per_s'], 0)}"
@@ -173,7 +177,8 @@ def _other_table(sj: dict[str, Any]) -> Table:
     for load, v in sj.get("w5", {}).get("by_load", {}).items():
         t.add_row(f"W5 at {load} of W2 max ({_fmt(v['target_jobs_per_s'], 0)}/s)",
                   f"p50 {_fmt(v['p50_ms'], 2)}, p95 {_fmt(v['p95_ms'], 2)}, "
-                  f"p99 {_fmt(v['p99_ms'], 2)}, max {_fmt(v['max_ms'], 2)} ms")
+                  f"p99 {_fmt(v['p99_ms'], 2)}, max {_fmt(v['max_ms'], 2)} ms; "
+                  f"{v['backlog_left']:,} of {v['enqueued']:,} not started in time")
     for method, v in sj.get("w6", {}).get("methods", {}).items():
         t.add_row(f"W6 {method}", f"{_fmt(v['jobs_per_s'], 0)} jobs/s, "
                   f"{v['duplicate_executions']} duplicate executions, per worker "

@@ -53,7 +53,11 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
     for name in SCENARIOS:
         if name in only:
             t0 = time.monotonic()
-            sj[name] = steps[name]()
+            try:
+                sj[name] = steps[name]()
+            except Exception as exc:  # one failed scenario must not lose the others
+                settings.log(f"{name} failed: {type(exc).__name__}: {exc}")
+                sj[name] = {"error": f"{type(exc).__name__}: {exc}"}
             sj[name]["elapsed_s"] = round(time.monotonic() - t0, 1)
     results: dict[str, Any] = {
         "skipjack_version": importlib.metadata.version("skipjack"),

@@ -31,6 +31,7 @@ PEERS = {
     "pgqueuer": Peer("pgqueuer", ("pgqueuer==1.6.0", "asyncpg", "psycopg[binary]")),
     "procrastinate": Peer("procrastinate", ("procrastinate==3.10.0", "psycopg[binary]")),
     "chancy": Peer("chancy", ("chancy==0.26.0", "psycopg[binary]")),
+    "oban": Peer("oban", ("oban==0.7.0", "psycopg[binary]"), min_python=(3, 12)),
 }
 
 
