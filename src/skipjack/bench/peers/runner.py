@@ -42,15 +42,23 @@ def cache_dir() -> Path:
 
 
 def find_python(version: tuple[int, int]) -> str | None:
-    """A Python interpreter of at least ``version`` (this one, PATH, then pyenv)."""
+    """A working Python interpreter of at least ``version``: this one, else pyenv's
+    installed versions, else ``pythonX.Y`` on PATH (each is checked by running it)."""
     if sys.version_info[:2] >= version:
         return sys.executable
-    for minor in range(version[1], 15):
-        found = shutil.which(f"python{version[0]}.{minor}")
-        if found:
-            return found
-    pyenv = sorted(glob.glob(str(Path.home() / ".pyenv/versions/3.1[2-9]*/bin/python")))
-    return pyenv[-1] if pyenv else None
+    candidates = sorted(glob.glob(str(Path.home() / ".pyenv/versions/3.*/bin/python")),
+                        reverse=True)
+    candidates += [p for minor in range(20, version[1] - 1, -1)
+                   if (p := shutil.which(f"python{version[0]}.{minor}"))]
+    check = f"import sys; sys.exit(sys.version_info[:2] < {version!r})"
+    for python in candidates:
+        try:
+            if subprocess.run([python, "-c", check], capture_output=True,
+                              timeout=30).returncode == 0:
+                return python
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return None
 
 
 def ensure_venv(peer: Peer, log: Any) -> Path:
