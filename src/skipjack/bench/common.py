@@ -65,6 +65,31 @@ def with_dbname(dsn: str, dbname: str) -> str:
     return make_conninfo(dsn, dbname=dbname)
 
 
+def server_answers(dsn: str, timeout: float = 90) -> bool:
+    """Wait up to ``timeout`` seconds for the server to accept connections (it may be
+    restarting: other test suites on the same machine restart it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            connect(dsn, connect_timeout=3).close()
+            return True
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+
+
+def _drop(dsn: str, statement: sql.Composed) -> None:
+    """Run a clean-up statement, waiting for the server if it is restarting."""
+    for _ in range(2):
+        try:
+            with connect(dsn) as conn:
+                conn.execute(statement)
+            return
+        except psycopg.OperationalError:
+            server_answers(dsn)
+
+
 @contextlib.contextmanager
 def fresh_database(dsn: str, label: str) -> Iterator[str]:
     """Create a database of our own for one run; drop it afterwards (ours alone)."""
@@ -74,9 +99,8 @@ def fresh_database(dsn: str, label: str) -> Iterator[str]:
     try:
         yield with_dbname(dsn, name)
     finally:
-        with connect(dsn) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(name)))
+        _drop(dsn, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name)))
 
 
 @contextlib.contextmanager
@@ -88,8 +112,7 @@ def fresh_app(dsn: str, label: str) -> Iterator[App]:
         yield app
     finally:
         app.close()
-        with connect(dsn) as conn:
-            conn.execute(app.queries.DROP_SCHEMA)
+        _drop(dsn, app.queries.DROP_SCHEMA)
 
 
 def percentiles(values: Sequence[float], points: Sequence[float] = (50, 95, 99)

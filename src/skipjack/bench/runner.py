@@ -6,10 +6,13 @@ import importlib.metadata
 import os
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
+import psycopg
+
 from . import ceiling, claim_methods, drain, enqueue, history, latency, retry_storm
-from .common import Settings, connect
+from .common import Settings, connect, server_answers
 from .peers.runner import PEERS, run_peer
 from .report import ratios, targets
 
@@ -37,6 +40,7 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
               compare: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run skipjack's scenarios (``only``), then W1-W4 for each peer in ``compare``."""
     started = time.monotonic()
+    host = machine(settings)
     sj: dict[str, Any] = {}
     steps = {
         "ceiling": lambda: ceiling.run(settings),
@@ -53,18 +57,14 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
     for name in SCENARIOS:
         if name in only:
             t0 = time.monotonic()
-            try:
-                sj[name] = steps[name]()
-            except Exception as exc:  # one failed scenario must not lose the others
-                settings.log(f"{name} failed: {type(exc).__name__}: {exc}")
-                sj[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            sj[name] = _attempt(settings, name, steps[name])
             sj[name]["elapsed_s"] = round(time.monotonic() - t0, 1)
     results: dict[str, Any] = {
         "skipjack_version": importlib.metadata.version("skipjack"),
         "settings": {"scale": settings.scale, "runs": settings.runs, "quick": settings.quick,
                      "scenarios": [s for s in SCENARIOS if s in only],
                      "compare": list(compare)},
-        "machine": machine(settings),
+        "machine": host,
         "skipjack": sj,
         "peers": {},
     }
@@ -75,6 +75,23 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
     results["targets"] = targets(results)
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     return results
+
+
+def _attempt(settings: Settings, name: str, step: Callable[[], dict[str, Any]]
+             ) -> dict[str, Any]:
+    """Run one scenario; once more if the server went away meanwhile (a restart by someone
+    else spoils that measurement); an error is recorded, never raised."""
+    for attempt in (1, 2):
+        try:
+            return step()
+        except Exception as exc:  # one failed scenario must not lose the others
+            settings.log(f"{name} failed: {type(exc).__name__}: {exc}")
+            lost = isinstance(exc, psycopg.OperationalError)
+            if attempt == 1 and lost and server_answers(settings.dsn):
+                settings.log(f"{name}: the server is back, running it again")
+                continue
+            return {"error": f"{type(exc).__name__}: {exc}"}
+    raise AssertionError("unreachable")
 
 
 def peer_sizes(settings: Settings) -> dict[str, dict[str, Any]]:
