@@ -7,6 +7,7 @@ dropped afterwards, so a benchmark never reads or removes anything it did not cr
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import statistics
 import time
@@ -22,6 +23,7 @@ from psycopg.conninfo import make_conninfo
 from ..app import App
 
 QUEUE = "bench"
+log = logging.getLogger("skipjack.bench")
 BENCH_DB_PREFIX = "skipjack_bench_"
 
 
@@ -80,14 +82,20 @@ def server_answers(dsn: str, timeout: float = 90) -> bool:
 
 
 def _drop(dsn: str, statement: sql.Composed) -> None:
-    """Run a clean-up statement, waiting for the server if it is restarting."""
-    for _ in range(2):
+    """Run a clean-up statement, waiting for the server if it is restarting; a clean-up that
+    still fails is logged (what is left behind has the bench's own name), never raised."""
+    for attempt in range(3):
         try:
             with connect(dsn) as conn:
                 conn.execute(statement)
             return
         except psycopg.OperationalError:
             server_answers(dsn)
+        except psycopg.Error as exc:
+            if attempt == 2:
+                log.warning("clean-up failed (%s): %s", exc, statement.as_string(None))
+                return
+            time.sleep(2)
 
 
 @contextlib.contextmanager
