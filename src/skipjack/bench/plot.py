@@ -13,6 +13,7 @@ def write_plot(results: dict[str, Any], path: str) -> str | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullFormatter, ScalarFormatter
     except ImportError:
         return "matplotlib is not installed (pip install 'skipjack[bench]')"
     sj = results["skipjack"]
@@ -29,6 +30,8 @@ def write_plot(results: dict[str, Any], path: str) -> str | None:
         if value:
             left.plot([10], [value], "s", label=f"{name} W2 drain")
     left.set_xscale("log")
+    left.set_xticks([1, 10, 100])
+    left.xaxis.set_major_formatter(ScalarFormatter())
     left.set_xlabel("worker concurrency")
     left.set_ylabel("jobs/s")
     left.set_title("throughput (no-op jobs, one worker process)")
@@ -44,6 +47,9 @@ def write_plot(results: dict[str, Any], path: str) -> str | None:
             right.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))],
                        label=name)
     right.set_xscale("log")
+    right.set_xticks([0.5, 1, 2, 5, 10, 20, 50, 100])
+    right.xaxis.set_major_formatter(ScalarFormatter())
+    right.xaxis.set_minor_formatter(NullFormatter())
     right.set_xlabel("enqueue-to-start latency (ms)")
     right.set_ylabel("share of jobs")
     right.set_title("W3 latency distribution (idle worker)")
