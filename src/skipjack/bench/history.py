@@ -93,7 +93,7 @@ def run(settings: Settings) -> dict[str, Any]:
     """W8 (a single run)."""
     history, future, runnable = (settings.n(1_000_000, 1000), settings.n(100_000, 100),
                                  settings.n(20_000, 1000))
-    snapshot_s = settings.seconds(60.0, 2.0)
+    snapshot_s = settings.seconds(60.0, 1.0)
     settings.log(f"W8 history: loading {history} finished, {future} future, {runnable} "
                  "runnable jobs of 2.4 KB")
     with fresh_app(settings.dsn, "w8") as app, connect(app.dsn) as conn:

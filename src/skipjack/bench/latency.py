@@ -117,7 +117,7 @@ def w5(settings: Settings, max_rate: float, concurrency: int) -> dict[str, Any]:
     5 s while one in-process worker works; latency percentiles (ms) of handler start -
     enqueue time. The producer shares the 2 cores, so the worker may fall behind: jobs not
     started 15 s after the producer ended are reported as ``backlog_left``."""
-    seconds = settings.seconds(5.0, 1.5)
+    seconds = settings.seconds(5.0, 1.0)
     out: dict[str, Any] = {"w2_max_jobs_per_s": max_rate, "seconds": seconds,
                            "concurrency": concurrency, "by_load": {}}
     for share in (0.5, 0.9):
