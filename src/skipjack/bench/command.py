@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from ..app import resolve_dsn
 from .common import Settings
@@ -59,13 +60,14 @@ def bench(ctx: click.Context, as_json: bool, output: str | None, plot_path: str,
         scale, runs = min(scale, 0.01), 1
     logging.getLogger("skipjack").setLevel(logging.WARNING)
     settings = Settings(dsn=resolve_dsn(obj.get("dsn")), scale=scale, runs=runs, quick=quick,
-                        log=lambda line: console.print(f"[dim]{line}[/]"))
+                        log=lambda line: console.print(f"[dim]{escape(line)}[/]"))
     results = run_bench(settings, scenarios, peers)
     if not no_plot:
         skipped = write_plot(results, plot_path)
         results["plot"] = {"path": None, "skipped": skipped} if skipped else {
             "path": plot_path}
-        console.print(f"plot skipped: {skipped}" if skipped else f"plot written to {plot_path}")
+        console.print(f"plot skipped: {skipped}" if skipped else f"plot written to {plot_path}",
+                      markup=False)
     text = json.dumps(results, indent=1, default=str)
     if output:
         with open(output, "w") as out:

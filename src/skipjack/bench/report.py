@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 # (label, how to read skipjack's figure, how to read a peer's, higher is better)
@@ -71,8 +72,9 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         peer, best = _best_peer(results, theirs, highest)
         value = dig(sj, ours)
         r = ratio(value, best, highest)
-        goal = f">= {factor}x the best peer ({peer}: {best})" if highest else \
-            f"<= 1/{factor:g} of the best peer's ({peer}: {best} ms)"
+        seen = f"{peer}: {best}" if peer else "no peer in this run"
+        goal = f">= {factor:g}x the best peer ({seen})" if highest else \
+            f"<= 1/{factor:g} of the best peer's ({seen})"
         out.append(_target(name, r, goal, None if r is None else r >= factor))
 
     vs_peer("W1 one at a time vs best peer", ("w1", "single_jobs_per_s"),
@@ -145,7 +147,7 @@ def print_report(results: dict[str, Any], console: Console) -> None:
     console.print(tt)
     for name, figures in peers.items():
         if "error" in figures:
-            console.print(f"[red]{name}: {figures['error']}[/]")
+            console.print(f"{name}: {figures['error']}", style="red", markup=False)
 
 
 def _other_table(sj: dict[str, Any]) -> Table:
@@ -154,7 +156,7 @@ def _other_table(sj: dict[str, Any]) -> Table:
     t.add_column("figures")
     for name, figures in sj.items():
         if "error" in figures:
-            t.add_row(f"{name} FAILED", str(figures["error"]))
+            t.add_row(f"{name} FAILED", escape(str(figures["error"])))
     sj = {k: v for k, v in sj.items() if "error" not in v}
     w2 = sj.get("w2", {})
     if w2:
