@@ -129,7 +129,7 @@ def print_report(results: dict[str, Any], console: Console) -> None:
     for name in peers:
         table.add_column(f"{name} (skipjack x)", justify="right")
     for label, ours, theirs, hib in COMPARED:
-        digits = 2 if "ms" in label else 0
+        digits = 2 if label.endswith("(ms)") else 0
         row = [label, _fmt(dig(sj, ours), digits)]
         for figures in peers.values():
             theirs_v = dig(figures, theirs)
