@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from skipjack import App
+from skipjack import App, queries
 from skipjack.maintenance import rescue
 
 from support import query
@@ -16,8 +16,8 @@ from support import query
 
 def claim_params(**overrides: Any) -> dict[str, Any]:
     """Bind values of the claim statements, as a lease-mode worker sends them."""
-    return {"queue": "q", "limit": 10, "lease": 30.0, "min_lease": 0.0, "worker": "w",
-            "inline_bytes": 1 << 20, "held_tasks": [], "held": False, **overrides}
+    return {**queries.claim_params("q", 10, lease=30.0, worker="w", inline_bytes=1 << 20),
+            **overrides}
 
 
 def claim(app: App, queue: str = "q", limit: int = 10, lease: float = 30.0,

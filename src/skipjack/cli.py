@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .app import App
+from .bench.command import bench
 from .errors import SkipjackError
 from .jobs import STATES
 
@@ -371,6 +372,9 @@ def chaos(ctx: click.Context, n_jobs: int, workers: int, concurrency: int, durat
     else:
         Console().print_json(json.dumps(audit))
     sys.exit(0 if audit["ok"] else 1)
+
+
+main.add_command(bench)
 
 
 def run() -> None:

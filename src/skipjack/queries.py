@@ -132,6 +132,25 @@ CONTROLLED_QUEUES = """
 SELECT name FROM {schema}.queues WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL
 """
 
+def claim_params(queue: str, limit: int, *, lease: float, worker: str,
+                 min_lease: float = 0.0, inline_bytes: int = 256 * 1024,
+                 held_tasks: list[str] | None = None, held: bool = False) -> dict[str, object]:
+    """Bind values of CLAIM, CLAIM_OLDEST and CLAIM_LIMITED.
+
+    Args:
+        queue: the one queue to claim from.
+        limit: the most jobs to claim.
+        lease: seconds, the worker's lease (a job may carry its own).
+        worker: the name stored on the claimed rows.
+        min_lease: seconds, the shortest lease the worker's heartbeat keeps alive.
+        inline_bytes: args up to this size come with the claim; larger ones are loaded later.
+        held_tasks, held: see the comment above CLAIM.
+    """
+    return {"queue": queue, "limit": limit, "lease": lease, "worker": worker,
+            "min_lease": min_lease, "inline_bytes": inline_bytes,
+            "held_tasks": held_tasks or [], "held": held}
+
+
 # For claims held in an open transaction: the server ends the session, rolling the claim
 # back, if the worker leaves the transaction idle longer than the job's lease.
 SET_IDLE_TIMEOUT = """

@@ -54,6 +54,7 @@ from .heartbeat import Heartbeat, Leases
 from .jobs import LEASE_MAX, QUEUE_MAX_BYTES, check_name, dump_result
 from .listener import listen, probe
 from .maintenance import Maintenance
+from .queries import claim_params
 from .reconnect import Backoff as ReconnectBackoff
 from .retry import Backoff
 
@@ -385,10 +386,10 @@ class Worker:
         return self.concurrency + prefetch - self._busy() - len(self._ready)
 
     def _claim_params(self, queue: str, limit: int, held: bool) -> dict[str, Any]:
-        return {"queue": queue, "limit": limit, "lease": self.lease, "worker": self.name,
-                "min_lease": 3 * (self.heartbeat or 0),
-                "inline_bytes": self.inline_args_bytes, "held_tasks": self._held_names,
-                "held": held}
+        return claim_params(queue, limit, lease=self.lease, worker=self.name,
+                            min_lease=3 * (self.heartbeat or 0),
+                            inline_bytes=self.inline_args_bytes,
+                            held_tasks=self._held_names, held=held)
 
     async def _produce(self) -> None:
         loop = asyncio.get_running_loop()

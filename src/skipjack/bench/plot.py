@@ -1,0 +1,60 @@
+"""The PNG: throughput against concurrency, and the latency distributions (matplotlib,
+optional: ``pip install skipjack[bench]``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def write_plot(results: dict[str, Any], path: str) -> str | None:
+    """Draw the plot into ``path``; returns why it was skipped, or None when written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullFormatter, ScalarFormatter
+    except ImportError:
+        return "matplotlib is not installed (pip install 'skipjack[bench]')"
+    sj = results["skipjack"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    by = sj.get("w2", {}).get("by_concurrency", {})
+    if by:
+        xs = [int(c) for c in by]
+        left.plot(xs, [by[c]["jobs_per_s"] or 0 for c in by], "o-", label="skipjack W2 drain")
+    bare = sj.get("ceiling", {}).get("bare_loop", {}).get("1", {}).get("jobs_per_s")
+    if bare:
+        left.axhline(bare, linestyle="--", color="grey", label="bare SQL loop, 1 connection")
+    for name, peer in results.get("peers", {}).items():
+        value = peer.get("w2", {}).get("jobs_per_s")
+        if value:
+            left.plot([10], [value], "s", label=f"{name} W2 drain")
+    left.set_xscale("log")
+    left.set_xticks([1, 10, 100])
+    left.xaxis.set_major_formatter(ScalarFormatter())
+    left.set_xlabel("worker concurrency")
+    left.set_ylabel("jobs/s")
+    left.set_title("throughput (no-op jobs, one worker process)")
+    left.legend(fontsize=8)
+    series = {"skipjack": sj.get("w3", {}).get("samples", [])}
+    for name, peer in results.get("peers", {}).items():
+        runs = peer.get("w3", {}).get("runs", [])
+        if runs and "samples" in runs[-1]:
+            series[name] = runs[-1]["samples"]
+    for name, samples in series.items():
+        if samples:
+            ordered = sorted(samples)
+            right.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))],
+                       label=name)
+    right.set_xscale("log")
+    right.set_xticks([0.5, 1, 2, 5, 10, 20, 50, 100])
+    right.xaxis.set_major_formatter(ScalarFormatter())
+    right.xaxis.set_minor_formatter(NullFormatter())
+    right.set_xlabel("enqueue-to-start latency (ms)")
+    right.set_ylabel("share of jobs")
+    right.set_title("W3 latency distribution (idle worker)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

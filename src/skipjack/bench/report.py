@@ -1,0 +1,215 @@
+"""Ratios, the targets of issue 4, and the printed tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+# (label, how to read skipjack's figure, how to read a peer's, higher is better)
+COMPARED: list[tuple[str, tuple[str, ...], tuple[str, ...], bool]] = [
+    ("W1 enqueue one at a time (jobs/s)", ("w1", "single_jobs_per_s"),
+     ("w1", "single_jobs_per_s"), True),
+    ("W1 bulk, one call (jobs/s)", ("w1", "bulk_jobs_per_s"), ("w1", "bulk_jobs_per_s"), True),
+    ("W2 drain, best concurrency (jobs/s)", ("w2", "best_jobs_per_s"), ("w2", "jobs_per_s"),
+     True),
+    ("W2 drain, concurrency 10 (jobs/s)", ("w2", "by_concurrency", "10", "jobs_per_s"),
+     ("w2", "jobs_per_s"), True),
+    ("W3 latency p50 (ms)", ("w3", "p50_ms"), ("w3", "p50"), False),
+    ("W3 latency p99 (ms)", ("w3", "p99_ms"), ("w3", "p99"), False),
+    ("W4 8 x 2 ms, one process (jobs/s)", ("w4", "jobs_per_s"), ("w4", "jobs_per_s"), True),
+]
+
+
+def dig(data: Any, path: tuple[str, ...]) -> float | None:
+    """``data[path[0]][path[1]]...``, or None when any step is missing."""
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return float(data) if isinstance(data, int | float) else None
+
+
+def ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> float | None:
+    """How many times better skipjack is (>1 means skipjack wins), rounded to 2 decimals."""
+    if not ours or not theirs:
+        return None
+    return round(ours / theirs if higher_is_better else theirs / ours, 2)
+
+
+def ratios(results: dict[str, Any]) -> dict[str, Any]:
+    """skipjack/peer for every compared figure and every peer (latency: peer/skipjack)."""
+    out: dict[str, Any] = {}
+    for peer, figures in results.get("peers", {}).items():
+        out[peer] = {label: ratio(dig(results["skipjack"], ours), dig(figures, theirs), hib)
+                     for label, ours, theirs, hib in COMPARED}
+    return out
+
+
+def _best_peer(results: dict[str, Any], path: tuple[str, ...], highest: bool
+               ) -> tuple[str | None, float | None]:
+    found = [(name, dig(p, path)) for name, p in results.get("peers", {}).items()]
+    present = [(n, v) for n, v in found if v is not None]
+    if not present:
+        return None, None
+    return (max if highest else min)(present, key=lambda nv: nv[1])
+
+
+def _target(name: str, value: float | None, goal: str, met: bool | None) -> dict[str, Any]:
+    return {"target": name, "value": value, "goal": goal, "met": met}
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 4's targets, each with the measured value and whether it is met (None: not
+    measured in this run)."""
+    sj = {k: v for k, v in results["skipjack"].items() if "error" not in v}
+    out = []
+
+    def vs_peer(name: str, ours: tuple[str, ...], theirs: tuple[str, ...], factor: float,
+                highest: bool) -> None:
+        peer, best = _best_peer(results, theirs, highest)
+        value = dig(sj, ours)
+        r = ratio(value, best, highest)
+        seen = f"{peer}: {best}" if peer else "no peer in this run"
+        goal = f">= {factor:g}x the best peer ({seen})" if highest else \
+            f"<= 1/{factor:g} of the best peer's ({seen})"
+        out.append(_target(name, r, goal, None if r is None else r >= factor))
+
+    vs_peer("W1 one at a time vs best peer", ("w1", "single_jobs_per_s"),
+            ("w1", "single_jobs_per_s"), 1.5, True)
+    vs_peer("W1 bulk vs best peer", ("w1", "bulk_jobs_per_s"), ("w1", "bulk_jobs_per_s"),
+            2.0, True)
+    vs_peer("W2 drain vs best peer", ("w2", "best_jobs_per_s"), ("w2", "jobs_per_s"), 4.0, True)
+    drain, bare = dig(sj, ("w2", "best_jobs_per_s")), dig(sj, ("ceiling", "bare_loop", "1",
+                                                             "jobs_per_s"))
+    share = round(drain / bare, 2) if drain and bare else None
+    out.append(_target("W2 drain / bare one-connection loop", share, ">= 0.5",
+                       None if share is None else share >= 0.5))
+    w4 = dig(sj, ("w4", "jobs_per_s"))
+    out.append(_target("W4 8 x 2 ms, one process (jobs/s)", w4, ">= 3600",
+                       None if w4 is None else w4 >= 3600))
+    vs_peer("W3 p50 vs best peer (times lower)", ("w3", "p50_ms"), ("w3", "p50"), 2.0, False)
+    p99 = dig(sj, ("w3", "p99_ms"))
+    out.append(_target("W3 p99 (ms)", p99, "< 10", None if p99 is None else p99 < 10))
+    w8 = dig(sj, ("w8", "claim_ms", "p99"))
+    seq = sj.get("w8", {}).get("plan", {}).get("seq_scan")
+    out.append(_target("W8 claim p99 with history (ms)", w8, "< 10, no Seq Scan",
+                       None if w8 is None else (w8 < 10 and seq is False)))
+    methods = sj.get("w6", {}).get("methods", {})
+    if methods:
+        dup = methods["no_lock"]["duplicate_executions"]
+        serial = methods["for_update"]["jobs_per_s"] < methods["skip_locked"]["jobs_per_s"]
+        mq = sj["w6"]["multi_queue"]
+        slower = mq["any_ms"] > mq["one_queue_ms"]
+        out.append(_target("W6 direction (dups without lock, FOR UPDATE slower, ANY slower)",
+                           dup, "dups > 0, both slower", dup > 0 and serial and slower))
+    cases = sj.get("w7", {}).get("cases", {})
+    if cases:
+        fixed = cases["fixed_60s"]["max_retries_in_one_second"]
+        spread = cases["default_attempt_7"]["max_retries_in_one_second"]
+        out.append(_target("W7 jitter spreads retries (max/s fixed vs jittered)",
+                           spread, f"< fixed ({fixed})", spread < fixed))
+    return out
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def print_report(results: dict[str, Any], console: Console) -> None:
+    """The comparison table (when peers ran), skipjack's other figures, and the targets."""
+    sj = results["skipjack"]
+    peers = results.get("peers", {})
+    table = Table(title="skipjack bench: medians of "
+                        f"{results['settings']['runs']} run(s), same server, same run")
+    table.add_column("scenario")
+    table.add_column("skipjack", justify="right")
+    for name in peers:
+        table.add_column(f"{name} (skipjack x)", justify="right")
+    for label, ours, theirs, hib in COMPARED:
+        digits = 2 if label.endswith("(ms)") else 0
+        row = [label, _fmt(dig(sj, ours), digits)]
+        for figures in peers.values():
+            theirs_v = dig(figures, theirs)
+            times = _fmt(ratio(dig(sj, ours), theirs_v, hib), 2)
+            row.append(f"{_fmt(theirs_v, digits)} ({times}x)")
+        table.add_row(*row)
+    console.print(table)
+    console.print(_other_table(sj))
+    tt = Table(title="issue 4 targets")
+    for col in ("target", "value", "goal", "met"):
+        tt.add_column(col)
+    for t in results.get("targets", []):
+        met = {True: "[green]yes[/]", False: "[red]no[/]", None: "n/a"}[t["met"]]
+        tt.add_row(t["target"], _fmt(t["value"], 2), t["goal"], met)
+    console.print(tt)
+    for name, figures in peers.items():
+        if "error" in figures:
+            console.print(f"{name}: {figures['error']}", style="red", markup=False)
+
+
+def _other_table(sj: dict[str, Any]) -> Table:
+    t = Table(title="skipjack: everything else")
+    t.add_column("scenario")
+    t.add_column("figures")
+    for name, figures in sj.items():
+        if "error" in figures:
+            t.add_row(f"{name} FAILED", escape(str(figures["error"])))
+    sj = {k: v for k, v in sj.items() if "error" not in v}
+    w2 = sj.get("w2", {})
+    if w2:
+        by = ", ".join(f"c={c}: {_fmt(v['jobs_per_s'], 0)}"
+                       for c, v in w2.get("by_concurrency", {}).items())
+        large = w2.get("large")
+        if large:
+            by += f"; {large['jobs']:,} jobs at c={large['concurrency']}: " \
+                  f"{_fmt(large['jobs_per_s'], 0)}"
+        t.add_row(f"W2 drain {w2.get('jobs', 0):,} jobs (jobs/s)", by)
+    w4 = sj.get("w4", {})
+    if w4:
+        t.add_row("W4 8 x 2 ms (jobs/s)",
+                  f"1 process: {_fmt(w4['one_process']['jobs_per_s'], 0)}, 8 processes: "
+                  f"{_fmt(w4['eight_processes']['jobs_per_s'], 0)} (ideal 4,000)")
+    w3 = sj.get("w3", {})
+    if w3:
+        t.add_row("W3 latency (ms)", f"p50 {_fmt(w3['p50_ms'], 2)}, p95 {_fmt(w3['p95_ms'], 2)},"
+                  f" p99 {_fmt(w3['p99_ms'], 2)}, max {_fmt(w3['max_ms'], 2)}")
+    for load, v in sj.get("w5", {}).get("by_load", {}).items():
+        t.add_row(f"W5 at {load} of W2 max ({_fmt(v['target_jobs_per_s'], 0)}/s)",
+                  f"p50 {_fmt(v['p50_ms'], 2)}, p95 {_fmt(v['p95_ms'], 2)}, "
+                  f"p99 {_fmt(v['p99_ms'], 2)}, max {_fmt(v['max_ms'], 2)} ms; "
+                  f"{v['backlog_left']:,} of {v['enqueued']:,} not started in time")
+    for method, v in sj.get("w6", {}).get("methods", {}).items():
+        t.add_row(f"W6 {method}", f"{_fmt(v['jobs_per_s'], 0)} jobs/s, "
+                  f"{v['duplicate_executions']} duplicate executions, per worker "
+                  f"{min(v['per_worker'])}-{max(v['per_worker'])}")
+    mq = sj.get("w6", {}).get("multi_queue")
+    if mq:
+        t.add_row("W6 = ANY vs one queue", f"{_fmt(mq['any_ms'], 2)} ms vs "
+                  f"{_fmt(mq['one_queue_ms'], 3)} ms on {mq['pending_rows']:,} pending rows")
+    for case, v in sj.get("w7", {}).get("cases", {}).items():
+        t.add_row(f"W7 {case}", f"max {v['max_retries_in_one_second']} retries in one second,"
+                  f" spread over {_fmt(v['retries_spread_s'], 1)} s")
+    w8 = sj.get("w8")
+    if w8:
+        t.add_row("W8 claim with history (ms)",
+                  f"p50 {_fmt(w8['claim_ms']['p50'], 2)}, p99 {_fmt(w8['claim_ms']['p99'], 2)};"
+                  f" under a {w8['snapshot_seconds']:g} s snapshot: p50 "
+                  f"{_fmt(w8['claim_ms_during_snapshot']['p50'], 2)}, p99 "
+                  f"{_fmt(w8['claim_ms_during_snapshot']['p99'], 2)}; seq scan: "
+                  f"{w8['plan']['seq_scan']}")
+    ceiling = sj.get("ceiling")
+    if ceiling:
+        bare = ", ".join(f"{c} conn: {_fmt(v['jobs_per_s'], 0)}"
+                         for c, v in ceiling["bare_loop"].items())
+        pgb = ", ".join(f"-c {c}: {_fmt(v.get('jobs_per_s'), 0)}"
+                        for c, v in ceiling["pgbench"].items() if isinstance(v, dict))
+        t.add_row("ceiling, batches of 100 (jobs/s)", f"bare loop {bare}; pgbench {pgb}")
+    mem = sj.get("memory")
+    if mem:
+        t.add_row("worker memory", f"peak RSS {_fmt(mem['peak_rss_mib'], 1)} MiB at "
+                  f"concurrency 100, {mem['jobs']:,} jobs of 2.4 KB (idle "
+                  f"{_fmt(mem['idle_rss_mib'], 1)} MiB)")
+    return t

@@ -1,0 +1,121 @@
+"""Running skipjack workers for a benchmark: in this process, or as child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from psycopg import sql
+
+from ..app import App
+from ..jobs import JobSpec
+from ..migrate import channel_name
+from ..worker import Worker
+from .common import QUEUE, connect, wait_for
+
+
+def enqueue_bulk(app: App, specs: Sequence[JobSpec], chunk: int = 10_000) -> None:
+    """Enqueue ``specs`` in statements of ``chunk`` jobs (setup, not measured)."""
+    for i in range(0, len(specs), chunk):
+        app.enqueue_many(specs[i:i + chunk])
+
+
+class StateCounter:
+    """Counts jobs of one state on a connection kept open (cheap to poll)."""
+
+    def __init__(self, app: App, state: str = "succeeded") -> None:
+        self._conn = connect(app.dsn)
+        self._query = sql.SQL("SELECT count(*) FROM {}.jobs WHERE state = %s").format(
+            sql.Identifier(app.schema))
+        self._state = state
+
+    def __call__(self) -> int:
+        row = self._conn.execute(self._query, [self._state]).fetchone()
+        return int(row[0]) if row else 0
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def run_worker(app: App, *, concurrency: int, until: Callable[[], Awaitable[Any]],
+               timeout: float, **options: Any) -> Worker:
+    """Run a :class:`Worker` in this process while ``until()`` runs, then stop it.
+
+    Raises:
+        TimeoutError: ``until()`` took longer than ``timeout`` seconds.
+    """
+    logging.getLogger("skipjack").setLevel(logging.WARNING)
+    worker = Worker(app, [QUEUE], concurrency=concurrency, shutdown_grace=5.0, **options)
+
+    async def main() -> None:
+        running = asyncio.create_task(worker.run_async())
+        try:
+            await asyncio.wait_for(until(), timeout)
+        finally:
+            worker.stop()
+            await running
+            await app.close_async()  # an async pool opened on this loop must close on it
+
+    asyncio.run(main())
+    return worker
+
+
+def drain_with_worker(app: App, jobs: int, *, concurrency: int, timeout: float,
+                      **options: Any) -> Worker:
+    """Run an in-process worker until ``jobs`` jobs succeeded."""
+    counter = StateCounter(app)
+
+    async def until() -> None:
+        while await asyncio.to_thread(counter) < jobs:
+            await asyncio.sleep(0.05)
+
+    try:
+        return run_worker(app, concurrency=concurrency, until=until, timeout=timeout, **options)
+    finally:
+        counter.close()
+
+
+class WorkerProcesses:
+    """``python -m skipjack worker skipjack.bench.tasks:app`` child processes."""
+
+    def __init__(self, app: App, count: int, *extra: str) -> None:
+        env = {**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn}
+        cmd = [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema,
+               "worker", "skipjack.bench.tasks:app", "--queue", QUEUE, *extra]
+        self.app = app
+        self.procs = [subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                      for _ in range(count)]
+
+    def wait_listening(self, timeout: float = 60) -> None:
+        """Wait until every process listens for notifications (it is then idle and ready)."""
+        channel = channel_name(self.app.schema)
+        with connect(self.app.dsn) as conn:
+            def ready() -> bool:
+                if any(p.poll() is not None for p in self.procs):
+                    raise RuntimeError("a benchmark worker process exited early")
+                row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE query = %s",
+                                   [f'LISTEN "{channel}"']).fetchone()
+                return bool(row and row[0] >= len(self.procs))
+
+            wait_for(ready, timeout, what="worker processes to start")
+
+    def stop(self) -> None:
+        """SIGTERM every process and wait; SIGKILL any that outlive 15 s."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

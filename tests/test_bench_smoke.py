@@ -1,0 +1,43 @@
+"""Smoke run of ``skipjack bench --quick``: every scenario runs and reports its figures.
+
+No thresholds: speed is measured by the bench itself, on a quiet machine, not by CI.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from skipjack.cli import main
+
+from support import Server
+
+SCENARIO_KEYS = {
+    "ceiling": {"bare_loop", "pgbench"},
+    "w1": {"single_jobs_per_s", "bulk_jobs_per_s"},
+    "w2": {"by_concurrency", "best_jobs_per_s", "best_concurrency"},
+    "w3": {"p50_ms", "p95_ms", "p99_ms", "max_ms", "samples"},
+    "w4": {"one_process", "eight_processes", "jobs_per_s"},
+    "w5": {"by_load"},
+    "w6": {"methods", "multi_queue"},
+    "w7": {"cases"},
+    "w8": {"plan", "claim_ms", "claim_ms_during_snapshot"},
+    "memory": {"peak_rss_mib", "idle_rss_mib"},
+}
+
+
+def test_quick_bench_reports_every_scenario(server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["--dsn", server.dsn, "bench", "--quick", "--no-plot",
+                                       "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert {"settings", "machine", "skipjack", "peers", "ratios", "targets"} <= set(data)
+    for scenario, keys in SCENARIO_KEYS.items():
+        assert keys <= set(data["skipjack"][scenario]), scenario
+    assert set(data["skipjack"]["w2"]["by_concurrency"]) == {"1", "10", "100"}
+    assert set(data["skipjack"]["w6"]["methods"]) == {"no_lock", "for_update", "skip_locked"}
+    assert data["machine"]["server"]["server_version"]
+    assert all({"target", "value", "goal", "met"} <= set(t) for t in data["targets"])
