@@ -64,7 +64,8 @@ def _case(settings: Settings, backoff: Backoff, attempt: int, jobs: int) -> dict
 def _failed(app: App, attempt: int) -> int:
     with connect(app.dsn) as conn:
         row = conn.execute(sql.SQL(
-            "SELECT count(*) FROM {} WHERE state IN ('scheduled', 'available') AND attempt = %s").format(
+            "SELECT count(*) FROM {} "
+            "WHERE state IN ('scheduled', 'available') AND attempt = %s").format(
                 sql.Identifier(app.schema, "jobs")), [attempt]).fetchone()
     return int(row[0]) if row else 0
 
