@@ -179,6 +179,13 @@ def sync_wait(seconds: float) -> None:
     log_event("finish")
 
 
+@app.task(name="hang", timeout=0.5, max_attempts=1)
+def hang(seconds: float) -> None:
+    """Ignores its timeout: the thread stays busy after the attempt failed."""
+    log_event("start")
+    time.sleep(seconds)
+
+
 @app.task(name="snooze_once")
 def snooze_once() -> None:
     log_event("start")

@@ -21,7 +21,8 @@ from support import WorkerProcess, create_log_tables, exec_counts, query, states
 
 FAST = ["--lease", "2", "--heartbeat", "0.3", "--rescue-interval", "0.5", "--poll-interval",
         "0.5"]
-TASKS = ("sleep", "async_sleep", "slow_async", "slow_sync", "sync_wait", "snooze_once", "fail")
+TASKS = ("sleep", "async_sleep", "slow_async", "slow_sync", "sync_wait", "snooze_once", "fail",
+         "hang")
 
 
 @pytest.fixture
@@ -320,3 +321,38 @@ def test_worker_prunes_with_retention(tasks: App, tmp_path: Path) -> None:
                        log=tmp_path / "w.log"):
         wait_until(lambda: states(tasks.dsn, tasks.schema) == {"discarded": 1}, timeout=60,
                    what="succeeded and cancelled pruned, discarded kept longer")
+
+
+# --- regressions ----------------------------------------------------------------------------
+
+def test_a_thread_stuck_past_its_timeout_keeps_its_slot(tasks: App, tmp_path: Path) -> None:
+    """Concurrency 1: the timed-out handler's thread still runs, so the next job waits for it
+    instead of being claimed, timing out unstarted and dead-lettered."""
+    stuck = tasks.enqueue(tasks.tasks["hang"].configure(max_attempts=1).job(seconds=3))
+    (quick,) = enqueue(tasks, "sleep", 1)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "1",
+                       "--prefetch", "0", *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"discarded": 1, "succeeded": 1},
+                   timeout=30, what="both ended")
+    assert (tasks.get_job(stuck) or {})["state"] == "discarded"
+    job = tasks.get_job(quick) or {}
+    assert job["state"] == "succeeded" and job["attempt"] == 1
+
+
+def test_cancel_request_survives_a_rescue(tasks: App) -> None:
+    job_id = tasks.tasks["t"].configure(queue="q").enqueue()
+    claim(tasks, limit=1)
+    assert tasks.cancel([job_id], timeout=1) == {"cancelled": 0, "requested": 1}
+    expire(tasks, job_id)
+    with tasks.connect() as conn:
+        assert rescue(conn, tasks.queries) == [(job_id, "cancelled")]
+
+
+def test_retry_of_a_discarded_job_whose_key_was_reused_is_skipped(tasks: App) -> None:
+    t = tasks.tasks["t"].configure(queue="q", idempotency_key="k",
+                                   unique_while=("scheduled", "available", "running"))
+    first = t.enqueue()
+    assert tasks.discard([first]) == [first]
+    second = t.enqueue()
+    assert second != first
+    assert tasks.retry_discarded([first]) == []

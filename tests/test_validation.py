@@ -136,6 +136,8 @@ def test_fc08_oversized_args_are_rejected_before_the_database(app: App) -> None:
     ("idempotency_key", {"idempotency_key": ""}, "must be 1..255"),
     ("idempotency_key", {"idempotency_key": "k" * 256}, "must be 1..255"),
     ("idempotency_key", {"idempotency_key": "a\x00"}, "NUL"),
+    ("unique_while", {"unique_while": ("available", "running")}, "must include 'scheduled'"),
+    ("unique_while", {"unique_while": ("bogus",)}, "give a non-empty collection"),
 ])
 def test_bad_options_name_field_and_limit(app: App, field: str, options: dict[str, Any],
                                           message: str) -> None:
@@ -144,6 +146,14 @@ def test_bad_options_name_field_and_limit(app: App, field: str, options: dict[st
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}: ")
     assert _count(app) == 0
+
+
+def test_bad_cron_declarations(app: App) -> None:
+    task = app.task(name="r" * 230)(lambda: None)
+    with pytest.raises(ValidationError, match="cron name: 230 bytes, the limit is 224"):
+        app.cron("* * * * *")(task)
+    with pytest.raises(ValidationError, match="grace"):
+        app.cron("* * * * *", name="x", grace=1)(task)
 
 
 def test_bad_task_declarations(app: App) -> None:

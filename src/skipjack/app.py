@@ -297,6 +297,9 @@ class App(Control):
             if transaction == "claim" and inspect.iscoroutinefunction(f):
                 raise ValidationError("transaction", "'claim' runs sync handlers only; use "
                                       "'complete' for an async handler")
+            if transaction == "claim" and timeout is not None:
+                raise ValidationError("timeout", "not supported with transaction='claim' (its "
+                                      "lease bounds it: the server ends an idle claim)")
             default = f"{f.__module__}.{f.__qualname__}"
             task_name = check_name("task", default if name is None else name, TASK_MAX_BYTES)
             task = Task(
@@ -337,13 +340,14 @@ class App(Control):
             ValidationError: bad expression, zone, args or a name already used.
         """
         schedule = CronSchedule(expr, tz)
-        if not 0 <= grace <= 86400 * 7:
-            raise ValidationError("grace", f"{grace} seconds is out of range 0..604800")
+        if not 10 <= grace <= 86400 * 7:
+            raise ValidationError("grace", f"{grace} seconds is out of range 10..604800")
 
         def register(task: Task) -> Task:
             if not isinstance(task, Task):
                 raise ValidationError("cron", "decorate a task: put @app.cron above @app.task")
-            entry_name = check_name("cron name", name or task.name, TASK_MAX_BYTES)
+            # the slot's job key is "cron:<name>:<slot>", at most 255 bytes
+            entry_name = check_name("cron name", name or task.name, CRON_NAME_MAX_BYTES)
             if entry_name in self.crons:
                 raise ValidationError("cron name", f"{entry_name!r} is already scheduled")
             task.job(**(args or {}))  # validate the arguments now
@@ -449,12 +453,18 @@ class App(Control):
     def _enqueue_on(
         self, conn: psycopg.Connection[Any], specs: list[JobSpec], params: dict[str, list[Any]]
     ) -> list[int]:
+        q = self.queries
         with conn.cursor(row_factory=tuple_row) as cur:  # whatever the caller's row factory
-            rows = cur.execute(self.queries.ENQUEUE, params).fetchall()
+            rows = cur.execute(q.ENQUEUE, params).fetchall()
             existing: list[tuple[int, str]] = []
-            missing = _missing_keys(specs, rows)
-            if missing:
-                existing = cur.execute(self.queries.EXISTING_KEYS, {"keys": missing}).fetchall()
+            for _ in range(_KEY_ROUNDS):
+                missing = _missing_keys(specs, rows + existing)
+                if not missing:
+                    break
+                existing += cur.execute(q.EXISTING_KEYS, {"keys": missing}).fetchall()
+                again = _specs_to_retry(specs, rows + existing)
+                if again:
+                    rows += cur.execute(q.ENQUEUE, _enqueue_params(again)).fetchall()
         return _assign_ids(specs, rows, existing)
 
     async def enqueue_async(
@@ -482,17 +492,25 @@ class App(Control):
         specs: list[JobSpec],
         params: dict[str, list[Any]],
     ) -> list[int]:
+        q = self.queries
         async with conn.cursor(row_factory=tuple_row) as cur:
-            rows = await (await cur.execute(self.queries.ENQUEUE, params)).fetchall()
+            rows = await (await cur.execute(q.ENQUEUE, params)).fetchall()
             existing: list[tuple[int, str]] = []
-            missing = _missing_keys(specs, rows)
-            if missing:
-                await cur.execute(self.queries.EXISTING_KEYS, {"keys": missing})
-                existing = await cur.fetchall()
+            for _ in range(_KEY_ROUNDS):
+                missing = _missing_keys(specs, rows + existing)
+                if not missing:
+                    break
+                existing += await (await cur.execute(q.EXISTING_KEYS,
+                                                     {"keys": missing})).fetchall()
+                again = _specs_to_retry(specs, rows + existing)
+                if again:
+                    rows += await (await cur.execute(q.ENQUEUE,
+                                                     _enqueue_params(again))).fetchall()
         return _assign_ids(specs, rows, existing)
 
 
 ENQUEUE_MAX_BYTES = 512 * 1024 * 1024
+CRON_NAME_MAX_BYTES = 224
 
 
 def _as_specs(jobs: Iterable[JobSpec]) -> list[JobSpec]:
@@ -525,6 +543,16 @@ def _enqueue_params(specs: list[JobSpec]) -> dict[str, list[Any]]:
         "lease_seconds": [s.lease for s in specs],
         "unique_states": [s.unique_states for s in specs],
     }
+
+
+# A key whose holder finished between our insert and our look-up of its id is free again:
+# such jobs are inserted anew, for at most this many rounds.
+_KEY_ROUNDS = 3
+
+
+def _specs_to_retry(specs: list[JobSpec], rows: list[tuple[int, str | None]]) -> list[JobSpec]:
+    missing = set(_missing_keys(specs, rows))
+    return [s for s in specs if s.idempotency_key in missing]
 
 
 def _missing_keys(specs: list[JobSpec], rows: list[tuple[int, str | None]]) -> list[str]:

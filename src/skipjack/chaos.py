@@ -110,12 +110,15 @@ class _Workers:
         self.stalled.pop(victim.pid, None)
         self.start()
 
-    def stall_one(self, rng: random.Random, seconds: float) -> None:
+    def stall_one(self, rng: random.Random, seconds: float) -> bool:
+        """SIGSTOP a worker; False (nothing done) when that would leave none awake."""
         awake = [p for p in self.procs if p.pid not in self.stalled]
-        if len(awake) > 1:  # keep at least one worker making progress
-            victim = rng.choice(awake)
-            victim.send_signal(signal.SIGSTOP)
-            self.stalled[victim.pid] = time.monotonic() + seconds
+        if len(awake) <= 1:
+            return False
+        victim = rng.choice(awake)
+        victim.send_signal(signal.SIGSTOP)
+        self.stalled[victim.pid] = time.monotonic() + seconds
+        return True
 
     def resume_due(self, everyone: bool = False) -> None:
         now = time.monotonic()
@@ -150,9 +153,12 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
         echo: called with a line of progress text, or None for silence.
 
     Returns:
-        The audit: enqueued, completed, discarded, lost, stuck, duplicate_effects,
-        missing_effects, duplicate_starts, stale_writes_rejected, leases_lost, faults
-        injected, elapsed seconds and ``ok`` (no lost, stuck, duplicate or missing effect).
+        The audit: enqueued, completed, discarded, unfinished (still waiting or running when
+        the run ended), lost (enqueued jobs whose row vanished), stuck (running with an
+        expired lease after one more lease period), duplicate_effects, missing_effects,
+        duplicate_starts (re-runs the faults caused), stale_writes_rejected, leases_lost,
+        faults injected, elapsed seconds and ``ok``: nothing lost, stuck, unfinished,
+        discarded, duplicated or missing (the workload never fails by itself).
 
     Raises:
         ValueError: a database restart is asked for on an external server without
@@ -198,8 +204,8 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
             now = time.monotonic()
             for kind, at in list(next_at.items()):
                 if now >= at:
-                    _inject(kind, workers, rng, opts, dsn, embedded_server, app_name, say)
-                    faults[kind] += 1
+                    if _inject(kind, workers, rng, opts, dsn, embedded_server, app_name, say):
+                        faults[kind] += 1
                     next_at[kind] = now + every[kind]
             finished = _retrying(lambda: _count_finished(run), default=finished)
             if finished >= opts.jobs:
@@ -210,15 +216,17 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
     say(f"finished {finished}/{opts.jobs}; waiting one lease and rescue interval")
     time.sleep(opts.lease * 1.5)  # let rescuers act on anything a fault left behind
     with run.connect() as conn:
-        audit = dict(zip(("rows", "completed", "discarded", "stuck", "duplicate_effects",
-                          "missing_effects", "duplicate_starts", "max_attempt"),
+        audit = dict(zip(("rows", "completed", "discarded", "unfinished", "stuck",
+                          "duplicate_effects", "missing_effects", "duplicate_starts",
+                          "max_attempt"),
                          conn.execute(run.queries.CHAOS_AUDIT).fetchone() or (), strict=True))
     workers.stop()
     result = {
         "enqueued": opts.jobs,
         "completed": audit["completed"],
         "discarded": audit["discarded"],
-        "lost": opts.jobs - audit["completed"] - audit["discarded"],
+        "unfinished": audit["unfinished"],
+        "lost": opts.jobs - audit["completed"] - audit["discarded"] - audit["unfinished"],
         "stuck": audit["stuck"],
         "duplicate_effects": audit["duplicate_effects"],
         "missing_effects": audit["missing_effects"],
@@ -230,18 +238,21 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
         "elapsed_s": round(time.monotonic() - started, 2),
         "logs": str(logs),
     }
+    # the workload never fails by itself: a discarded job means faults exhausted its attempts
     result["ok"] = not (result["lost"] or result["stuck"] or result["duplicate_effects"]
-                        or result["missing_effects"])
+                        or result["missing_effects"] or result["discarded"]
+                        or result["unfinished"])
     run.close()
     return result
 
 
 def _inject(kind: str, workers: _Workers, rng: random.Random, opts: ChaosOptions, dsn: str,
-            embedded_server: bool, app_name: str, say: Any) -> None:
+            embedded_server: bool, app_name: str, say: Any) -> bool:
+    """Inject one fault; False when it could not be (a stall needs two awake workers)."""
     if kind == "kills":
         workers.kill_one(rng)
     elif kind == "stalls":
-        workers.stall_one(rng, opts.lease * 2)
+        return workers.stall_one(rng, opts.lease * 2)
     elif kind == "db_restarts":
         say("restarting PostgreSQL")
         if embedded_server:
@@ -251,6 +262,7 @@ def _inject(kind: str, workers: _Workers, rng: random.Random, opts: ChaosOptions
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     elif kind == "backend_terminations":
         _retrying(lambda: _terminate(dsn, app_name))
+    return True
 
 
 def _terminate(dsn: str, app_name: str) -> None:

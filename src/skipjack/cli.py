@@ -84,6 +84,8 @@ def migrate(ctx: click.Context) -> None:
               help="Prune succeeded/cancelled jobs older than this (e.g. 7d) [never].")
 @click.option("--discarded-retention", default=None,
               help="Prune discarded jobs older than this [10 x retention].")
+@click.option("--prefetch", default=None, type=click.IntRange(0, 10_000),
+              help="Jobs claimed ahead of free slots [concurrency, at most 100].")
 @click.option("--fairness-every", default=10, show_default=True, type=click.IntRange(0),
               help="Every n-th claim of a queue takes the oldest jobs whatever their "
                    "priority (0: strict priority).")
@@ -94,7 +96,7 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
            batch_size: int | None, lease: float, heartbeat: float | None,
            poll_interval: float, rescue_interval: float | None, grace: float,
            stage_interval: float, retention: str | None, discarded_retention: str | None,
-           fairness_every: int, name: str, migrate: bool) -> None:
+           prefetch: int | None, fairness_every: int, name: str, migrate: bool) -> None:
     """Run a worker for the tasks of MODULE:APP."""
     from .worker import Worker
 
@@ -104,7 +106,7 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
                shutdown_grace=grace, stage_interval=stage_interval,
                retention=_seconds(retention) if retention else None,
                discarded_retention=_seconds(discarded_retention) if discarded_retention else None,
-               fairness_every=fairness_every, name=name)
+               prefetch=prefetch, fairness_every=fairness_every, name=name)
     if migrate:
         app.migrate()
     w.run()

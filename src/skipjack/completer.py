@@ -202,6 +202,8 @@ class Completer:
             self._stats.succeeded += 1
         elif o.kind == "release":
             self._stats.released += 1
+        elif state == "cancelled":
+            log.info("job %s cancelled", o.id)
         elif state == "discarded":
             self._stats.discarded += 1
             log.warning("job %s discarded (dead letter)", o.id)

@@ -3,6 +3,7 @@ queues, prune history. :class:`skipjack.App` has these methods."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -87,7 +88,7 @@ class Control:
         return [r[0] for r in rows]
 
     def cancel(self, ids: Sequence[int] | None = None, *, queue: str | None = None,
-               task: str | None = None, timeout: float = 60.0) -> dict[str, int]:
+               task: str | None = None, timeout: float = 10.0) -> dict[str, int]:
         """Cancel jobs: waiting ones (scheduled, available) at once; running ones by request
         (the worker is told at its next heartbeat: async handlers are cancelled, sync ones see
         ``current_job().cancelled``; the job ends ``cancelled``, or ``succeeded`` if it
@@ -95,7 +96,9 @@ class Control:
 
         Args:
             ids: job ids; and/or ``queue`` and/or ``task`` to cancel in bulk. At least one.
-            timeout: seconds to keep going while workers hold some of the rows.
+            timeout: seconds to keep going while workers hold some of the rows (a job of
+                a ``transaction="claim"`` task runs in an uncommitted claim: it cannot be
+                cancelled while it runs, and is left as it is once this expires).
 
         Returns:
             ``{"cancelled": n, "requested": m}``.
@@ -178,6 +181,10 @@ class Control:
         ``discarded_retention``, default ten times as long), batch by batch until none is
         left. Safe beside workers, bulk cancels and other pruners. Returns the rows deleted.
         """
+        for name, value in (("retention", retention), ("discarded_retention",
+                                                        discarded_retention)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValidationError(name, f"{value!r} must be a number of seconds > 0")
         total = 0
         with self.connect() as conn:
             while True:

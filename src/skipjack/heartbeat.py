@@ -122,6 +122,8 @@ class Heartbeat(threading.Thread):
                 log.warning("heartbeat: %s (retrying in %.1fs)", str(exc).strip(),
                             self._reconnect.peek())
                 self._stop.wait(self._reconnect.next())
+            except Exception:  # never let the renewals stop
+                log.exception("heartbeat failed; retrying")
             finally:
                 self._expire_local()
         if self._conn is not None:

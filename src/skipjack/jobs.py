@@ -87,6 +87,11 @@ def unique_states_mask(states: Iterable[str] | None) -> int:
     if isinstance(states, str) or not names or any(s not in _STATE_BITS for s in names):
         raise ValidationError("unique_while", f"{states!r}: give a non-empty collection of "
                               f"states from {STATES}")
+    if not {"scheduled", "available", "running"} <= set(names):
+        # a key released while its job still waits or runs could be taken by another job,
+        # and the first one's next move (staging, claim, retry) would then break the index
+        raise ValidationError("unique_while", "must include 'scheduled', 'available' and "
+                              "'running' (a job holds its key until it finishes)")
     mask = 0
     for s in names:
         mask |= _STATE_BITS[s]

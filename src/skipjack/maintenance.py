@@ -94,7 +94,8 @@ def prune(conn: psycopg.Connection[Any], queries: Queries, *, retention: float,
     """
     deleted = 0
     for states, age in ((["succeeded", "cancelled"], retention),
-                        (["discarded"], discarded_retention or 10 * retention)):
+                        (["discarded"], 10 * retention if discarded_retention is None
+                         else discarded_retention)):
         rows = conn.execute(queries.PRUNE, {"age": age, "states": states,
                                             "limit": limit}).fetchall()
         deleted += len(rows)
@@ -104,8 +105,13 @@ def prune(conn: psycopg.Connection[Any], queries: Queries, *, retention: float,
 
 def _stage_and_wake(conn: psycopg.Connection[Any], app: App,
                     on_staged: Callable[[str], None]) -> None:
-    for queue in stage(conn, app.queries, app.schema):
-        on_staged(queue)
+    """Stage batch after batch (at most 50 per run) while full batches come back."""
+    for _ in range(50):
+        staged = stage(conn, app.queries, app.schema)
+        for queue in staged:
+            on_staged(queue)
+        if sum(staged.values()) < BATCH:
+            return
 
 
 @dataclass
@@ -176,7 +182,9 @@ class Maintenance(threading.Thread):
                     log.warning("%s: %s (retrying in %.1fs)", duty.name, str(exc).strip(),
                                 backoff.peek())
                     self._stop.wait(backoff.next())
-                    break
+                    continue  # the other duties still get their turn
+                except Exception:  # a bug in one duty must not stop the others
+                    log.exception("%s failed; it runs again at its next interval", duty.name)
                 duty.next_at = time.monotonic() + duty.interval * random.uniform(0.8, 1.2)
         if self._conn is not None:
             self._conn.close()

@@ -89,6 +89,11 @@ _OLDEST_ORDER = "run_at, id"  # every fairness_every-th claim: no priority can s
 
 CLAIM = (_CLAIM.replace("<<QUEUE_FILTER>>", _UNCONTROLLED)
          .replace("<<ORDER>>", _PRIORITY_ORDER).replace("<<LIMIT>>", "%(limit)s"))
+# Claims held in a transaction: only a pause applies (their running jobs are invisible to
+# other sessions, so limits could not count them).
+CLAIM_HELD = (_CLAIM.replace("<<QUEUE_FILTER>>", """NOT EXISTS (SELECT 1 FROM {schema}.queues AS q
+                                                 WHERE q.name = %(queue)s AND q.paused)""")
+              .replace("<<ORDER>>", _PRIORITY_ORDER).replace("<<LIMIT>>", "%(limit)s"))
 CLAIM_OLDEST = (_CLAIM.replace("<<QUEUE_FILTER>>", _UNCONTROLLED)
                 .replace("<<ORDER>>", _OLDEST_ORDER).replace("<<LIMIT>>", "%(limit)s"))
 
@@ -170,7 +175,9 @@ SELECT args FROM {schema}.jobs WHERE id = %(id)s AND lease_version = %(lease_ver
 #   'cancel'   -> cancelled now (a cancellation was requested while it ran);
 #   'release'  -> runnable after `delay` seconds, the attempt not counted (shutdown, snooze,
 #                 or the job's own transaction lost its connection to the database).
-# A job runnable later is 'scheduled', one runnable now 'available'.
+# A job runnable later is 'scheduled', one runnable now 'available'. A job whose
+# cancellation was requested ends 'cancelled' instead of being retried or released.
+# Times are statement_timestamp(): in a handler's own transaction now() is its start.
 # Rows are matched on (id, lease_version, state = 'running'): stale outcomes change nothing
 # and are missing from RETURNING.
 RECORD_OUTCOMES = """
@@ -178,7 +185,7 @@ UPDATE {schema}.jobs AS j
    SET state = CASE
                  WHEN o.kind = 'complete' THEN 'succeeded'
                  WHEN o.kind = 'discard' THEN 'discarded'
-                 WHEN o.kind = 'cancel' THEN 'cancelled'
+                 WHEN o.kind = 'cancel' OR j.cancel_requested THEN 'cancelled'
                  WHEN o.kind = 'retry' AND j.attempt >= j.max_attempts THEN 'discarded'
                  WHEN o.delay > 0 THEN 'scheduled'
                  ELSE 'available'
@@ -186,20 +193,23 @@ UPDATE {schema}.jobs AS j
        attempt = CASE WHEN o.kind = 'release' THEN j.attempt - 1 ELSE j.attempt END,
        run_at = CASE
                   WHEN o.kind = 'retry' AND j.attempt < j.max_attempts
-                    THEN now() + make_interval(secs => o.delay)
-                  WHEN o.kind = 'release' THEN now() + make_interval(secs => o.delay)
+                    THEN statement_timestamp() + make_interval(secs => o.delay)
+                  WHEN o.kind = 'release'
+                    THEN statement_timestamp() + make_interval(secs => o.delay)
                   ELSE j.run_at
                 END,
        finished_at = CASE
-                       WHEN o.kind IN ('complete', 'discard', 'cancel') THEN now()
-                       WHEN o.kind = 'retry' AND j.attempt >= j.max_attempts THEN now()
+                       WHEN o.kind IN ('complete', 'discard', 'cancel') OR j.cancel_requested
+                         THEN statement_timestamp()
+                       WHEN o.kind = 'retry' AND j.attempt >= j.max_attempts
+                         THEN statement_timestamp()
                      END,
        lease_expires_at = NULL,
        worker = NULL,
        result = o.result::jsonb,
        errors = CASE WHEN o.error IS NULL THEN j.errors
                      ELSE j.errors || jsonb_build_array(o.error::jsonb
-                          || jsonb_build_object('at', now(), 'worker', j.worker))
+                          || jsonb_build_object('at', statement_timestamp(), 'worker', j.worker))
                 END
   FROM unnest(%(id)s::bigint[], %(lease_version)s::bigint[], %(kind)s::text[],
               %(delay)s::float8[], %(result)s::text[], %(error)s::text[])
@@ -253,9 +263,12 @@ SELECT id, lease_version FROM {schema}.jobs
 # rescuers and the workers' own outcome writes run at once without waiting on each other.
 RESCUE = """
 UPDATE {schema}.jobs AS j
-   SET state = CASE WHEN j.attempt >= j.max_attempts THEN 'discarded' ELSE 'available' END,
+   SET state = CASE WHEN j.cancel_requested THEN 'cancelled'
+                    WHEN j.attempt >= j.max_attempts THEN 'discarded'
+                    ELSE 'available' END,
        run_at = now(),
-       finished_at = CASE WHEN j.attempt >= j.max_attempts THEN now() END,
+       finished_at = CASE WHEN j.cancel_requested OR j.attempt >= j.max_attempts
+                          THEN now() END,
        lease_expires_at = NULL,
        worker = NULL,
        errors = j.errors || jsonb_build_array(jsonb_build_object(
@@ -421,11 +434,17 @@ SELECT name, max(slot) FILTER (WHERE status = 'enqueued') AS last_enqueued,
 """
 
 # Re-enqueue a discarded (dead-letter) job: a fresh set of attempts, runnable now.
+# (Not when another job now holds its idempotency key: that one wins.)
 RETRY_DISCARDED = """
-UPDATE {schema}.jobs
-   SET state = 'available', attempt = 0, run_at = now(), finished_at = NULL
- WHERE id = ANY(%(id)s::bigint[]) AND state = 'discarded'
-RETURNING id, queue
+UPDATE {schema}.jobs AS j
+   SET state = 'available', attempt = 0, run_at = now(), finished_at = NULL,
+       cancel_requested = false
+ WHERE j.id = ANY(%(id)s::bigint[]) AND j.state = 'discarded'
+   AND (j.idempotency_key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM {schema}.jobs AS o
+         WHERE o.idempotency_key = j.idempotency_key AND o.id <> j.id
+           AND (o.unique_states & {schema}.state_bit(o.state)) <> 0))
+RETURNING j.id, j.queue
 """
 
 # Wake the workers of some queues (jobs made available by the rescuer or by hand).
@@ -475,6 +494,8 @@ CHAOS_AUDIT = """
 SELECT (SELECT count(*) FROM {schema}.jobs) AS rows,
        (SELECT count(*) FROM {schema}.jobs WHERE state = 'succeeded') AS completed,
        (SELECT count(*) FROM {schema}.jobs WHERE state = 'discarded') AS discarded,
+       (SELECT count(*) FROM {schema}.jobs
+         WHERE state IN ('scheduled', 'available', 'running')) AS unfinished,
        (SELECT count(*) FROM {schema}.jobs
          WHERE state = 'running' AND lease_expires_at < now()) AS stuck,
        (SELECT coalesce(sum(n - 1), 0)::bigint

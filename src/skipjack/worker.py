@@ -173,6 +173,7 @@ class Worker:
         self._due = dict.fromkeys(self._queues, True)
         self._held_due = dict.fromkeys(self._queues, True)
         self._held_busy = 0
+        self._stuck_threads = 0
         self._held_runners: set[asyncio.Task[None]] = set()
         self._held_names: list[str] = []
         self._controlled: set[str] = set()
@@ -373,8 +374,8 @@ class Worker:
         self._wakeup.set()
 
     def _busy(self) -> int:
-        """Jobs executing now."""
-        return len(self._running) + self._held_busy
+        """Slots in use: jobs executing now, and threads still running abandoned handlers."""
+        return len(self._running) + self._held_busy + self._stuck_threads
 
     def _room(self) -> int:
         """How many more jobs the producer should claim now: the free slots plus the
@@ -437,6 +438,8 @@ class Worker:
                         break
                     if len(rows) < want:
                         self._due[queue] = False
+                        if queue in self._controlled:  # a limit may lift soon (rate window)
+                            self._loop.call_later(0.5, self._mark_due, queue)
                     for row in rows:
                         self._buffer(Job(*row))
                     self._fill()
@@ -493,7 +496,7 @@ class Worker:
         assert pool is not None
         with pool.connection() as conn, conn.transaction():
             conn.execute(q.SET_IDLE_TIMEOUT, {"ms": self._held_timeout_ms})
-            row = conn.execute(q.CLAIM, self._claim_params(queue, 1, held=True)).fetchone()
+            row = conn.execute(q.CLAIM_HELD, self._claim_params(queue, 1, held=True)).fetchone()
             if row is None:
                 return None, None
             on_claimed(queue)
@@ -511,6 +514,9 @@ class Worker:
                     result = task.fn(**args)
                 outcome = Outcome(job.id, job.lease_version, job.queue, "complete",
                                   result=dump_result(result))
+            except Snooze as exc:
+                outcome = Outcome(job.id, job.lease_version, job.queue, "release",
+                                  delay=exc.seconds)
             except Exception as exc:
                 outcome = self._failure(job, task, exc)
             rows = conn.execute(q.RECORD_OUTCOMES, outcome_params([outcome])).fetchall()
@@ -648,8 +654,22 @@ class Worker:
         return await self._in_thread(functools.partial(fn, **args))
 
     async def _in_thread(self, fn: Callable[[], Any]) -> Any:
-        call = functools.partial(contextvars.copy_context().run, fn)
-        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
+        """Run ``fn`` in the handler pool. If the wait is cancelled (timeout, lost lease,
+        shutdown) while the thread still runs, that thread counts as busy until it returns,
+        so the worker never claims jobs that would only wait for a thread."""
+        future = self._threads.submit(contextvars.copy_context().run, fn)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                self._stuck_threads += 1
+                future.add_done_callback(self._threadsafe(self._thread_freed))
+            raise
+
+    def _thread_freed(self, _future: object = None) -> None:
+        self._stuck_threads -= 1
+        self._fill()
+        self._wakeup.set()
 
     def _after_cancel(self, job: Job, task: Task | None, ctx: JobContext,
                       exc: BaseException | None = None) -> Outcome | None:
@@ -676,7 +696,10 @@ class Worker:
         """``fn`` as a callback other threads may call: it runs on the event loop."""
 
         def call(*args: Any) -> None:
-            self._loop.call_soon_threadsafe(fn, *args)
+            try:
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop is closed: the worker has stopped
+                pass
 
         return call
 
