@@ -356,3 +356,27 @@ def test_retry_of_a_discarded_job_whose_key_was_reused_is_skipped(tasks: App) ->
     second = t.enqueue()
     assert second != first
     assert tasks.retry_discarded([first]) == []
+
+
+def test_fc25_finished_history_stays_off_the_claims_path(tasks: App) -> None:
+    """200,000 finished jobs (and a long-open snapshot) in the table: the claim still reads
+    only the partial index of runnable rows, one row for one runnable job."""
+    query(tasks.dsn, """
+        INSERT INTO {schema}.jobs (queue, task, state, finished_at, attempt)
+        SELECT 'q', 't', (ARRAY['succeeded', 'discarded', 'cancelled'])[1 + g % 3], now(), 1
+          FROM generate_series(1, 200000) AS g""", schema=tasks.schema)
+    due = tasks.tasks["t"].configure(queue="q").enqueue()
+    query(tasks.dsn, "ANALYZE {schema}.jobs", schema=tasks.schema)
+    with psycopg.connect(tasks.dsn) as snapshot:  # another session's long-open snapshot
+        snapshot.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        snapshot.execute("SELECT 1")
+        with tasks.connect() as conn, conn.transaction():
+            plan = [r[0] for r in conn.execute(
+                b"EXPLAIN (ANALYZE, COSTS OFF) " + tasks.queries.CLAIM.as_bytes(conn),
+                claim_params(inline_bytes=1)).fetchall()]
+            conn.execute("ROLLBACK")
+    text = "\n".join(plan)
+    assert "Seq Scan on jobs" not in text and "jobs_claim_idx" in text, text
+    scan = next(line for line in plan if "jobs_claim_idx" in line)
+    assert re.search(r"rows=1(\.00)? ", scan), text
+    assert (tasks.get_job(due) or {})["state"] == "available"
