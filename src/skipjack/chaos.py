@@ -195,7 +195,7 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
         _retrying(lambda chunk=specs[i:i + 5000]: run.enqueue_many(chunk))
     say(f"enqueued {opts.jobs} jobs; {opts.workers} workers; logs in {logs}")
     # each fault first strikes at a random point of its first interval, then at every interval
-    next_at = {k: time.monotonic() + v * rng.uniform(0.25, 1.0) for k, v in every.items() if v}
+    next_at = {k: time.monotonic() + v * rng.uniform(0.2, 0.6) for k, v in every.items() if v}
     deadline = started + opts.timeout
     finished = 0
     try:
