@@ -455,7 +455,7 @@ class App(Control):
     ) -> list[int]:
         q = self.queries
         with conn.cursor(row_factory=tuple_row) as cur:  # whatever the caller's row factory
-            rows = cur.execute(q.ENQUEUE, params).fetchall()
+            rows = cur.execute(*_enqueue_statement(q, specs, params)).fetchall()
             existing: list[tuple[int, str]] = []
             for _ in range(_KEY_ROUNDS):
                 missing = _missing_keys(specs, rows + existing)
@@ -494,7 +494,7 @@ class App(Control):
     ) -> list[int]:
         q = self.queries
         async with conn.cursor(row_factory=tuple_row) as cur:
-            rows = await (await cur.execute(q.ENQUEUE, params)).fetchall()
+            rows = await (await cur.execute(*_enqueue_statement(q, specs, params))).fetchall()
             existing: list[tuple[int, str]] = []
             for _ in range(_KEY_ROUNDS):
                 missing = _missing_keys(specs, rows + existing)
@@ -553,6 +553,14 @@ _KEY_ROUNDS = 3
 def _specs_to_retry(specs: list[JobSpec], rows: list[tuple[int, str | None]]) -> list[JobSpec]:
     missing = set(_missing_keys(specs, rows))
     return [s for s in specs if s.idempotency_key in missing]
+
+
+def _enqueue_statement(q: Queries, specs: list[JobSpec],
+                       params: dict[str, list[Any]]) -> tuple[Any, dict[str, Any]]:
+    """ENQUEUE_ONE for one job, else ENQUEUE, with its bind values."""
+    if len(specs) == 1:
+        return q.ENQUEUE_ONE, {name: values[0] for name, values in params.items()}
+    return q.ENQUEUE, params
 
 
 def _missing_keys(specs: list[JobSpec], rows: list[tuple[int, str | None]]) -> list[str]:

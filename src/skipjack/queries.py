@@ -42,6 +42,22 @@ ON CONFLICT (idempotency_key)
 RETURNING id, idempotency_key
 """
 
+# The same for one job: a single row is cheaper to plan and run than unnest of ten arrays.
+ENQUEUE_ONE = """
+INSERT INTO {schema}.jobs (queue, task, args, args_bytes, priority, max_attempts, run_at, state,
+                           idempotency_key, unique_states, lease_seconds)
+SELECT %(queue)s, %(task)s, %(args)s::jsonb, octet_length(%(args)s::text),
+       %(priority)s::smallint, %(max_attempts)s::int,
+       x.at, CASE WHEN x.at > now() THEN 'scheduled' ELSE 'available' END,
+       %(idempotency_key)s::text, %(unique_states)s::smallint, %(lease_seconds)s::float8
+  FROM (SELECT coalesce(%(run_at)s::timestamptz,
+                        now() + make_interval(secs => coalesce(%(delay)s::float8, 0))) AS at) AS x
+ON CONFLICT (idempotency_key)
+   WHERE idempotency_key IS NOT NULL AND (unique_states & {schema}.state_bit(state)) <> 0
+   DO NOTHING
+RETURNING id, idempotency_key
+"""
+
 EXISTING_KEYS = """
 SELECT id, idempotency_key FROM {schema}.jobs
  WHERE idempotency_key = ANY(%(keys)s::text[])
