@@ -408,6 +408,7 @@ class Worker:
                 self._wakeup.clear()
                 order = self._queues[start:] + self._queues[:start]
                 start = (start + 1) % len(self._queues)
+                sharing = max(1, sum(self._due.values()))  # queues wanting work now
                 for queue in order:
                     free = self._room()
                     if free <= 0 or self._stopping.is_set():
@@ -418,7 +419,9 @@ class Worker:
                         continue
                     if not self._due[queue]:
                         continue
-                    want = min(free, self.batch_size or free)
+                    # each due queue gets its share of the room, so a deep queue cannot fill
+                    # the prefetch buffer ahead of a shallow one (FC-20)
+                    want = min(free, self.batch_size or free, max(1, -(-free // sharing)))
                     try:
                         if conn is None or conn.closed:
                             conn = await self.app.connect_async()
