@@ -32,6 +32,9 @@ def utc(*args: int) -> datetime:
     ("* * * * 8", "day of week"),
     ("*/0 * * * *", "minute field"),
     ("a * * * *", "not a number"),
+    ("5- * * * *", "not a number"),
+    ("\u0665 * * * *", "not a number"),
+    ("0 0 30 2 *", "matches no day"),
 ])
 def test_bad_expressions_name_the_field(expr: str, message: str) -> None:
     with pytest.raises(ValidationError, match=message):

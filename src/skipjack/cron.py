@@ -53,7 +53,11 @@ MAX_MISSED_RECORDED = 10_000
 
 
 def _value(token: str, names: dict[str, int]) -> int:
-    return names[token.lower()] if token.lower() in names else int(token)
+    if token.lower() in names:
+        return names[token.lower()]
+    if not (token.isascii() and token.isdigit()):
+        raise ValueError(token)
+    return int(token)
 
 
 def _parse_field(text: str, name: str, low: int, high: int, names: dict[str, int]) -> set[int]:
@@ -65,7 +69,9 @@ def _parse_field(text: str, name: str, low: int, high: int, names: dict[str, int
             if body == "*":
                 start, end = low, high
             else:
-                first, _, last = body.partition("-")
+                first, dash, last = body.partition("-")
+                if dash and not last:
+                    raise ValueError(part)
                 start = _value(first, names)
                 end = _value(last, names) if last else (high if step_text else start)
         except ValueError:
@@ -103,6 +109,9 @@ class CronSchedule:
         self._doms, self._months = fields[2], fields[3]
         self._dows = {d % 7 for d in fields[4]}
         self._dom_any, self._dow_any = parts[2] == "*", parts[4] == "*"
+        first_day = datetime(2000, 1, 1).date()  # 28 years cover every weekday/leap pattern
+        if not any(self._day_matches(first_day + timedelta(days=d)) for d in range(366 * 28)):
+            raise ValidationError("cron", f"{expr!r} matches no day of any year")
 
     def __repr__(self) -> str:
         return f"CronSchedule({self.expr!r}, tz={self.tz!r})"
