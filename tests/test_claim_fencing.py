@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from skipjack import App, queries
+from skipjack.completer import Outcome, outcome_params
 from skipjack.maintenance import rescue
 
 from support import query
@@ -30,9 +31,8 @@ def claim(app: App, queue: str = "q", limit: int = 10, lease: float = 30.0,
 def record(app: App, job_id: int, version: int, kind: str, delay: float = 0.0,
            error: str | None = None) -> list[tuple[int, str]]:
     with app.connect() as conn:
-        return conn.execute(app.queries.RECORD_OUTCOMES, {
-            "id": [job_id], "lease_version": [version], "kind": [kind], "delay": [delay],
-            "result": [None], "error": [error]}).fetchall()
+        return conn.execute(app.queries.RECORD_OUTCOMES, outcome_params(
+            [Outcome(job_id, version, "", kind, delay, None, error)])).fetchall()
 
 
 def heartbeat(app: App, job_id: int, version: int) -> list[tuple[int]]:
@@ -209,7 +209,7 @@ def test_claim_plan_uses_the_partial_index(app: App) -> None:
     with app.connect() as conn:
         conn.execute("SET enable_seqscan = off")  # fails loudly if no index can serve it
         plan = "\n".join(r[0] for r in conn.execute(
-            b"EXPLAIN " + app.queries.CLAIM.as_bytes(conn),
+            b"EXPLAIN " + app.queries.CLAIM,
             claim_params(inline_bytes=1)
         ).fetchall())
     assert "jobs_claim_idx" in plan and "Seq Scan" not in plan

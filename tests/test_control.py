@@ -62,7 +62,7 @@ def test_100k_future_jobs_stay_out_of_the_claims_path(tasks: App) -> None:
     query(tasks.dsn, "ANALYZE {schema}.jobs", schema=tasks.schema)
     with tasks.connect() as conn, conn.transaction():
         plan = [r[0] for r in conn.execute(
-            b"EXPLAIN (ANALYZE, COSTS OFF) " + tasks.queries.CLAIM.as_bytes(conn),
+            b"EXPLAIN (ANALYZE, COSTS OFF) " + tasks.queries.CLAIM,
             claim_params(inline_bytes=1)).fetchall()]
         conn.execute("ROLLBACK")  # EXPLAIN ANALYZE ran the claim: undo it
     text = "\n".join(plan)
@@ -372,7 +372,7 @@ def test_fc25_finished_history_stays_off_the_claims_path(tasks: App) -> None:
         snapshot.execute("SELECT 1")
         with tasks.connect() as conn, conn.transaction():
             plan = [r[0] for r in conn.execute(
-                b"EXPLAIN (ANALYZE, COSTS OFF) " + tasks.queries.CLAIM.as_bytes(conn),
+                b"EXPLAIN (ANALYZE, COSTS OFF) " + tasks.queries.CLAIM,
                 claim_params(inline_bytes=1)).fetchall()]
             conn.execute("ROLLBACK")
     text = "\n".join(plan)

@@ -38,7 +38,7 @@ from .jobs import (
     unique_states_mask,
 )
 from .migrate import check_schema, migrate
-from .queries import Queries
+from .queries import Queries, number_array, text_array
 from .retry import Backoff
 
 # Keepalives let an idle TCP connection that silently died (no RST) fail within about 25 s;
@@ -444,18 +444,19 @@ class App(Control):
         specs = _as_specs(jobs)
         if not specs:
             return []
-        params = _enqueue_params(specs)
+        first = _enqueue_statement(self.queries, specs)  # built before taking a connection
         if conn is None:
             with self._sync_pool().connection() as own:
-                return self._enqueue_on(own, specs, params)
-        return self._enqueue_on(conn, specs, params)
+                return self._enqueue_on(own, specs, first)
+        return self._enqueue_on(conn, specs, first)
 
     def _enqueue_on(
-        self, conn: psycopg.Connection[Any], specs: list[JobSpec], params: dict[str, list[Any]]
+        self, conn: psycopg.Connection[Any], specs: list[JobSpec],
+        first: tuple[bytes, dict[str, Any]],
     ) -> list[int]:
         q = self.queries
         with conn.cursor(row_factory=tuple_row) as cur:  # whatever the caller's row factory
-            rows = cur.execute(*_enqueue_statement(q, specs, params)).fetchall()
+            rows = cur.execute(*first).fetchall()
             existing: list[tuple[int, str]] = []
             for _ in range(_KEY_ROUNDS):
                 missing = _missing_keys(specs, rows + existing)
@@ -464,7 +465,7 @@ class App(Control):
                 existing += cur.execute(q.EXISTING_KEYS, {"keys": missing}).fetchall()
                 again = _specs_to_retry(specs, rows + existing)
                 if again:
-                    rows += cur.execute(q.ENQUEUE, _enqueue_params(again)).fetchall()
+                    rows += cur.execute(*_enqueue_statement(q, again)).fetchall()
         return _assign_ids(specs, rows, existing)
 
     async def enqueue_async(
@@ -480,21 +481,21 @@ class App(Control):
         specs = _as_specs(jobs)
         if not specs:
             return []
-        params = _enqueue_params(specs)
+        first = _enqueue_statement(self.queries, specs)
         if conn is None:
             async with (await self._async_pool()).connection() as own:
-                return await self._enqueue_on_async(own, specs, params)
-        return await self._enqueue_on_async(conn, specs, params)
+                return await self._enqueue_on_async(own, specs, first)
+        return await self._enqueue_on_async(conn, specs, first)
 
     async def _enqueue_on_async(
         self,
         conn: psycopg.AsyncConnection[Any],
         specs: list[JobSpec],
-        params: dict[str, list[Any]],
+        first: tuple[bytes, dict[str, Any]],
     ) -> list[int]:
         q = self.queries
         async with conn.cursor(row_factory=tuple_row) as cur:
-            rows = await (await cur.execute(*_enqueue_statement(q, specs, params))).fetchall()
+            rows = await (await cur.execute(*first)).fetchall()
             existing: list[tuple[int, str]] = []
             for _ in range(_KEY_ROUNDS):
                 missing = _missing_keys(specs, rows + existing)
@@ -504,8 +505,7 @@ class App(Control):
                                                      {"keys": missing})).fetchall()
                 again = _specs_to_retry(specs, rows + existing)
                 if again:
-                    rows += await (await cur.execute(q.ENQUEUE,
-                                                     _enqueue_params(again))).fetchall()
+                    rows += await (await cur.execute(*_enqueue_statement(q, again))).fetchall()
         return _assign_ids(specs, rows, existing)
 
 
@@ -530,18 +530,30 @@ def _as_specs(jobs: Iterable[JobSpec]) -> list[JobSpec]:
     return specs
 
 
-def _enqueue_params(specs: list[JobSpec]) -> dict[str, list[Any]]:
-    return {
-        "queue": [s.queue for s in specs],
-        "task": [s.task for s in specs],
-        "args": [s.args_json for s in specs],
-        "priority": [s.priority for s in specs],
-        "max_attempts": [s.max_attempts for s in specs],
-        "run_at": [s.run_at for s in specs],
-        "delay": [s.delay for s in specs],
-        "idempotency_key": [s.idempotency_key for s in specs],
-        "lease_seconds": [s.lease for s in specs],
-        "unique_states": [s.unique_states for s in specs],
+def _enqueue_statement(q: Queries, specs: list[JobSpec]) -> tuple[bytes, dict[str, Any]]:
+    """ENQUEUE_ONE with plain values for one job, else ENQUEUE with one array literal per
+    column (see :func:`~skipjack.queries.text_array`); their *_NO_KEYS forms when no job
+    has an idempotency key."""
+    keyed = any(s.idempotency_key is not None for s in specs)
+    if len(specs) == 1:
+        s = specs[0]
+        return q.ENQUEUE_ONE if keyed else q.ENQUEUE_ONE_NO_KEYS, {
+            "queue": s.queue, "task": s.task, "args": s.args_json, "priority": s.priority,
+            "max_attempts": s.max_attempts, "run_at": s.run_at, "delay": s.delay,
+            "idempotency_key": s.idempotency_key, "lease_seconds": s.lease,
+            "unique_states": s.unique_states}
+    return q.ENQUEUE if keyed else q.ENQUEUE_NO_KEYS, {
+        "queue": text_array([s.queue for s in specs]),
+        "task": text_array([s.task for s in specs]),
+        "args": text_array([s.args_json for s in specs]),
+        "priority": number_array([s.priority for s in specs]),
+        "max_attempts": number_array([s.max_attempts for s in specs]),
+        "run_at": text_array([None if s.run_at is None else s.run_at.isoformat()
+                              for s in specs]),
+        "delay": number_array([s.delay for s in specs]),
+        "idempotency_key": text_array([s.idempotency_key for s in specs]),
+        "lease_seconds": number_array([s.lease for s in specs]),
+        "unique_states": number_array([s.unique_states for s in specs]),
     }
 
 
@@ -553,14 +565,6 @@ _KEY_ROUNDS = 3
 def _specs_to_retry(specs: list[JobSpec], rows: list[tuple[int, str | None]]) -> list[JobSpec]:
     missing = set(_missing_keys(specs, rows))
     return [s for s in specs if s.idempotency_key in missing]
-
-
-def _enqueue_statement(q: Queries, specs: list[JobSpec],
-                       params: dict[str, list[Any]]) -> tuple[Any, dict[str, Any]]:
-    """ENQUEUE_ONE for one job, else ENQUEUE, with its bind values."""
-    if len(specs) == 1:
-        return q.ENQUEUE_ONE, {name: values[0] for name, values in params.items()}
-    return q.ENQUEUE, params
 
 
 def _missing_keys(specs: list[JobSpec], rows: list[tuple[int, str | None]]) -> list[str]:

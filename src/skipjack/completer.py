@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,11 +59,12 @@ class WorkerStats:
     leases_lost: int = 0
 
 
-def outcome_params(batch: list[Outcome]) -> dict[str, list[Any]]:
-    """Bind values of ``RECORD_OUTCOMES`` for a batch."""
-    return {"id": [o.id for o in batch], "lease_version": [o.lease_version for o in batch],
-            "kind": [o.kind for o in batch], "delay": [o.delay for o in batch],
-            "result": [o.result for o in batch], "error": [o.error for o in batch]}
+def outcome_params(batch: Sequence[Outcome]) -> dict[str, str]:
+    """Bind values of ``RECORD_OUTCOMES`` for a batch: one JSON array of objects with the
+    keys id, lease_version, kind, delay (seconds), result and error (JSON text or null)."""
+    return {"outcomes": json.dumps([
+        {"id": o.id, "lease_version": o.lease_version, "kind": o.kind, "delay": o.delay,
+         "result": o.result, "error": o.error} for o in batch])}
 
 
 def error_json(job: Job, exc: BaseException) -> str:

@@ -222,6 +222,10 @@ def _reject(obj: object) -> Any:
     )
 
 
+_ARGS_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"),
+                                 default=_reject)
+
+
 def serialize_args(args: object, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> str:
     """Serialise job args to compact JSON text and check every rule above.
 
@@ -240,8 +244,7 @@ def serialize_args(args: object, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> str
         raise ValidationError("args", f"must be a dict, got {type(args).__name__}")
     _check_keys(args)
     try:
-        text = json.dumps(args, ensure_ascii=False, allow_nan=False, separators=(",", ":"),
-                          default=_reject)
+        text = _ARGS_ENCODER.encode(args)
     except ValueError as exc:
         if isinstance(exc, ValidationError):
             raise

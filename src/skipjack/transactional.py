@@ -17,15 +17,16 @@ from typing import Any
 
 import psycopg
 
+from .completer import Outcome, outcome_params
 from .context import JobContext
 from .jobs import dump_result
 from .queries import Queries
 
 
-def _params(ctx: JobContext, result: Any) -> dict[str, list[Any]]:
+def _params(ctx: JobContext, result: Any) -> dict[str, str]:
     job = ctx.job
-    return {"id": [job.id], "lease_version": [job.lease_version], "kind": ["complete"],
-            "delay": [0.0], "result": [dump_result(result)], "error": [None]}
+    return outcome_params([Outcome(job.id, job.lease_version, job.queue, "complete",
+                                   result=dump_result(result))])
 
 
 def run_sync(conn: psycopg.Connection[Any], queries: Queries, ctx: JobContext,

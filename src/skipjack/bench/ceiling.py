@@ -19,6 +19,7 @@ import psycopg
 from psycopg import sql
 
 from ..app import App
+from ..completer import Outcome, outcome_params
 from ..queries import claim_params
 from .common import Settings, connect, drain_span, fresh_app, median, rate
 
@@ -38,11 +39,8 @@ def _loop(app: App) -> None:
     q = app.queries
     with connect(app.dsn) as conn:
         while rows := conn.execute(q.CLAIM, CLAIM_PARAMS).fetchall():
-            n = len(rows)
-            conn.execute(q.RECORD_OUTCOMES, {
-                "id": [r[0] for r in rows], "lease_version": [r[7] for r in rows],
-                "kind": ["complete"] * n, "delay": [0.0] * n, "result": [None] * n,
-                "error": [None] * n})
+            conn.execute(q.RECORD_OUTCOMES, outcome_params(
+                [Outcome(r[0], r[7], r[1], "complete") for r in rows]))
 
 
 def _bare_once(settings: Settings, jobs: int, connections: int) -> float | None:
@@ -59,24 +57,16 @@ def _bare_once(settings: Settings, jobs: int, connections: int) -> float | None:
 
 def pgbench_script(app: App, conn: psycopg.Connection[Any]) -> str:
     """skipjack's claim and completion statements as a pgbench script (prepared mode)."""
-    claim = app.queries.CLAIM.as_string(conn)
+    claim = app.queries.CLAIM.decode()
     for name, value in (("queue", "'bench'"), ("limit", str(BATCH)), ("lease", "30.0"),
                         ("worker", "'pgbench'"), ("inline_bytes", str(256 * 1024)),
                         ("min_lease", "0"), ("held_tasks", "'{}'"), ("held", "false")):
         claim = claim.replace(f"%({name})s", value)
-    record = app.queries.RECORD_OUTCOMES.as_string(conn)
-    for name, value in (("id", ":ids"), ("lease_version", ":lvs"),
-                        ("kind", "array_fill('complete'::text, ARRAY[:n::int])"),
-                        ("delay", "array_fill(0::float8, ARRAY[:n::int])"),
-                        ("result", "array_fill(NULL::text, ARRAY[:n::int])"),
-                        ("error", "array_fill(NULL::text, ARRAY[:n::int])")):
-        record = record.replace(f"%({name})s", value)
-    # a bare type name after the substituted arrays would repeat the cast: drop it
-    record = re.sub(r"(array_fill\([^)]*\]\))::\w+\[\]", r"\1", record)
+    record = app.queries.RECORD_OUTCOMES.decode().replace("%(outcomes)s", ":outcomes")
     gather = (f"WITH c AS ({claim.strip()})\n"
-              "SELECT coalesce(array_agg(id), '{}')::text AS ids,\n"
-              "       coalesce(array_agg(lease_version), '{}')::text AS lvs,\n"
-              "       count(*)::int AS n FROM c \\gset\n")
+              "SELECT coalesce(json_agg(json_build_object('id', id, 'lease_version', "
+              "lease_version, 'kind', 'complete', 'delay', 0)), '[]')::text AS outcomes\n"
+              "  FROM c \\gset\n")
     return " ".join(gather.split("\n")) + "\n" + " ".join(record.split()) + ";\n"
 
 

@@ -81,7 +81,7 @@ def server_answers(dsn: str, timeout: float = 90) -> bool:
             time.sleep(0.5)
 
 
-def _drop(dsn: str, statement: sql.Composed) -> None:
+def _drop(dsn: str, statement: sql.Composed | bytes) -> None:
     """Run a clean-up statement, waiting for the server if it is restarting; a clean-up that
     still fails is logged (what is left behind has the bench's own name), never raised."""
     for attempt in range(3):
@@ -93,7 +93,8 @@ def _drop(dsn: str, statement: sql.Composed) -> None:
             server_answers(dsn)
         except psycopg.Error as exc:
             if attempt == 2:
-                log.warning("clean-up failed (%s): %s", exc, statement.as_string(None))
+                text = statement if isinstance(statement, bytes) else statement.as_bytes(None)
+                log.warning("clean-up failed (%s): %s", exc, text.decode())
                 return
             time.sleep(2)
 

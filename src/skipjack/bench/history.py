@@ -19,6 +19,7 @@ import psycopg
 from psycopg import sql
 
 from ..app import App
+from ..completer import Outcome, outcome_params
 from ..queries import claim_params
 from .common import Settings, connect, fresh_app, payload, percentiles
 from .tasks import register
@@ -68,17 +69,15 @@ def _claim_loop(app: App, conn: psycopg.Connection[Any], claims: int,
         rows = conn.execute(q.CLAIM, params).fetchall()
         times.append((time.perf_counter() - t0) * 1000)
         if rows:
-            conn.execute(q.RECORD_OUTCOMES, {
-                "id": [r[0] for r in rows], "lease_version": [r[7] for r in rows],
-                "kind": ["complete"] * len(rows), "delay": [0.0] * len(rows),
-                "result": [None] * len(rows), "error": [None] * len(rows)})
+            conn.execute(q.RECORD_OUTCOMES, outcome_params(
+                [Outcome(r[0], r[7], r[1], "complete") for r in rows]))
         elif seconds is not None:
             time.sleep(0.005)  # wait for the feed
     return times
 
 
 def _plan(app: App, conn: psycopg.Connection[Any]) -> dict[str, Any]:
-    row = conn.execute(sql.SQL("EXPLAIN (FORMAT JSON) ") + app.queries.CLAIM,
+    row = conn.execute(b"EXPLAIN (FORMAT JSON) " + app.queries.CLAIM,
                        claim_params("bench", 10, lease=30.0, worker="bench")).fetchone()
     assert row is not None
     text = json.dumps(row[0])
