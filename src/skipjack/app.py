@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import re
@@ -88,6 +89,11 @@ class Task:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
+
+    @functools.cached_property
+    def is_async(self) -> bool:
+        """Whether the function is ``async def`` (run on the worker's event loop)."""
+        return inspect.iscoroutinefunction(self.fn)
 
     def configure(
         self,

@@ -71,7 +71,8 @@ def migrate(ctx: click.Context) -> None:
 @click.option("-q", "--queue", "queues", multiple=True, default=["default"], show_default=True,
               help="Queue to serve; repeat for several.")
 @click.option("-c", "--concurrency", default=10, show_default=True, type=int)
-@click.option("--batch-size", default=None, type=int, help="Jobs per claim [concurrency].")
+@click.option("--batch-size", default=None, type=int,
+              help="Jobs per claim [concurrency + prefetch, at most 1000].")
 @click.option("--lease", default=30.0, show_default=True, type=float, help="Seconds.")
 @click.option("--heartbeat", default=None, type=float, help="Seconds [lease/6, at most 10].")
 @click.option("--poll-interval", default=5.0, show_default=True, type=float, help="Seconds.")

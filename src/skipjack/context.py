@@ -34,6 +34,9 @@ class Job:
     lease: float  # seconds: the job's own lease, else the worker's
 
 
+_EVENT_LOCK = threading.Lock()
+
+
 @dataclass
 class JobContext:
     """The running job and its cancellation flag.
@@ -44,9 +47,24 @@ class JobContext:
     """
 
     job: Job
-    cancelled: threading.Event = field(default_factory=threading.Event)
     reason: str = ""
     conn: Any = None  # the job's transaction connection (tasks with transaction="complete")
+    _event: threading.Event | None = field(default=None, repr=False)
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """A :class:`threading.Event` set when the job is taken from its handler (made on
+        first use: most jobs never need one)."""
+        if self._event is None:
+            with _EVENT_LOCK:
+                if self._event is None:
+                    self._event = threading.Event()
+        return self._event
+
+    @property
+    def is_cancelled(self) -> bool:
+        """Whether the job was taken from its handler (see ``cancelled``)."""
+        return self._event is not None and self._event.is_set()
 
     def cancel(self, reason: str) -> None:
         """Set the cancellation flag with a reason."""
@@ -55,7 +73,7 @@ class JobContext:
 
     def raise_if_cancelled(self) -> None:
         """Raise :class:`JobCancelled` if the job was taken from this handler."""
-        if self.cancelled.is_set():
+        if self.is_cancelled:
             raise JobCancelled(f"job {self.job.id}: {self.reason}")
 
 

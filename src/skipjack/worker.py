@@ -80,7 +80,8 @@ class Worker:
         app: the application (task registry and database).
         queues: queue names to serve; each is claimed with its own statement.
         concurrency: the most jobs running at once in this process (1..10,000).
-        batch_size: the most jobs one claim takes (default: ``concurrency``).
+        batch_size: the most jobs one claim takes (default: ``concurrency + prefetch``, at
+            most 1,000: one claim can fill every free slot and the prefetch buffer).
         lease: seconds a claim is valid without renewal. A job whose lease expires is
             rescued (returned to the queue) by any worker.
         heartbeat: seconds between lease renewals; must be < lease / 2 so one lost renewal
@@ -141,10 +142,10 @@ class Worker:
         self.queues = tuple(self._queues)
         if not 1 <= self.concurrency <= 10_000:
             raise ConfigError(f"concurrency: {self.concurrency} is out of range 1..10000")
-        if self.batch_size is None:
-            self.batch_size = self.concurrency
         if self.prefetch is None:
             self.prefetch = min(self.concurrency, 100)
+        if self.batch_size is None:
+            self.batch_size = min(self.concurrency + self.prefetch, 1000)
         if not 0 <= self.prefetch <= 10_000:
             raise ConfigError(f"prefetch: {self.prefetch} is out of range 0..10000")
         if not 1 <= self.batch_size <= 10_000:
@@ -248,7 +249,8 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._completer = Completer(self.app, self._leases, self.stats)
+        self._completer = Completer(self.app, self._leases, self.stats,
+                                    more_coming=lambda: bool(self._running))
         self._large_args = asyncio.Semaphore(self.large_args_concurrency)
         await self._open_pools()
         if self._stop_requested:
@@ -555,12 +557,10 @@ class Worker:
             self._start(self._ready.pop(job_id))
 
     def _start(self, job: Job) -> None:
-        ctx = JobContext(job)
         task = self.app.tasks.get(job.task)
-        is_async = task is not None and inspect.iscoroutinefunction(task.fn)
-        running = _Running(job, ctx, is_async=is_async)
+        running = _Running(job, JobContext(job), is_async=task is not None and task.is_async)
         self._running[job.id] = running
-        running.task = asyncio.create_task(self._execute(running), name=f"skipjack-job-{job.id}")
+        running.task = self._loop.create_task(self._execute(running))
 
     # --- executor ------------------------------------------------------------------------
 
@@ -582,19 +582,19 @@ class Worker:
                 outcome = None  # recorded inside the handler's transaction
                 self._completer.count(Outcome(job.id, job.lease_version, job.queue, "complete"),
                             "succeeded" if result else None)
-            elif ctx.cancelled.is_set():
+            elif ctx.is_cancelled:
                 outcome = self._after_cancel(job, task, ctx)
             else:
                 outcome = Outcome(job.id, job.lease_version, job.queue, "complete",
                                   result=dump_result(result))
         except asyncio.CancelledError as exc:
             # ours (lease lost, cancel requested, shutdown) or the handler's own
-            outcome = (self._after_cancel(job, task, ctx) if ctx.cancelled.is_set()
+            outcome = (self._after_cancel(job, task, ctx) if ctx.is_cancelled
                        else self._failure(job, task, exc))
         except Snooze as exc:
             outcome = Outcome(job.id, job.lease_version, job.queue, "release", delay=exc.seconds)
         except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a handler never ends us
-            if ctx.cancelled.is_set():
+            if ctx.is_cancelled:
                 outcome = self._after_cancel(job, task, ctx, exc)
             else:
                 outcome = self._failure(job, task, exc)
