@@ -203,3 +203,32 @@ def test_concurrent_idempotent_enqueue_gives_one_job(app: App) -> None:
     wait_until(lambda: len(results) == 5, what="all enqueues")
     assert len(set(results)) == 1
     assert len(_ids(app)) == 1
+
+
+def test_bulk_enqueue_stores_every_value_exactly(app: App) -> None:
+    """Bulk enqueue binds each column as one array literal: quotes, backslashes, braces,
+    commas, the word NULL and non-ASCII text must all arrive unchanged, None as NULL."""
+    t = _task(app)
+    tricky = ['"', "\\", "\\\"", "{}", "a,b", "NULL", " ", "é 😀", "", "{\"x\": [1]}"]
+    at = datetime(2031, 5, 6, 7, 8, 9, 123456, tzinfo=UTC)
+    specs = [t.configure(priority=i, max_attempts=i + 1, idempotency_key=f"k{s}",
+                         lease=1.5 + i, run_at=at if i % 2 else None,
+                         delay=None if i % 2 else 0.25 * i).job(s=s, n=[s, None, i])
+             for i, s in enumerate(tricky)]
+    specs.append(t.job(plain=True))  # no key, priority, lease or time: the defaults
+    ids = app.enqueue_many(specs)
+    rows = query(app.dsn, "SELECT id, args, priority, max_attempts, idempotency_key, "
+                 "lease_seconds, run_at, state, run_at - created_at FROM {schema}.jobs",
+                 schema=app.schema)
+    by_id = {r[0]: r[1:] for r in rows}
+    for i, (s, job_id) in enumerate(zip(tricky, ids, strict=False)):
+        args, priority, attempts, key, lease, run_at, state, wait = by_id[job_id]
+        assert args == {"s": s, "n": [s, None, i]}
+        assert (priority, attempts, key, lease) == (i, i + 1, f"k{s}", 1.5 + i)
+        if i % 2:
+            assert run_at == at and state == "scheduled"
+        else:
+            assert wait == timedelta(seconds=0.25 * i)
+    args, priority, attempts, key, lease, _, state, _ = by_id[ids[-1]]
+    assert (args, priority, attempts, key, lease, state) == (
+        {"plain": True}, 0, 25, None, None, "available")

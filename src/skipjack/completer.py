@@ -64,7 +64,7 @@ def outcome_params(batch: Sequence[Outcome]) -> dict[str, str]:
     keys id, lease_version, kind, delay (seconds), result and error (JSON text or null)."""
     return {"outcomes": json.dumps([
         {"id": o.id, "lease_version": o.lease_version, "kind": o.kind, "delay": o.delay,
-         "result": o.result, "error": o.error} for o in batch])}
+         "result": o.result, "error": o.error} for o in batch], ensure_ascii=False)}
 
 
 def error_json(job: Job, exc: BaseException) -> str:
