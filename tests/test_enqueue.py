@@ -105,7 +105,7 @@ def test_bulk_enqueue_10000_in_one_round_trip(app: App) -> None:
     with psycopg.connect(app.dsn, cursor_factory=CountingCursor, autocommit=True) as conn:
         ids = app.enqueue_many(specs, conn=conn)
     assert CountingCursor.executed == 1
-    assert len(ids) == len(set(ids)) == 10_000
+    assert len(ids) == len(set(ids)) == 10_000 and ids == sorted(ids)
     rows = query(app.dsn, "SELECT id, (args->>'n')::int FROM {schema}.jobs", schema=app.schema)
     assert {job_id: n for job_id, n in rows} == {job_id: n for n, job_id in enumerate(ids)}
 
@@ -217,6 +217,18 @@ def test_bulk_enqueue_stores_every_value_exactly(app: App) -> None:
              for i, s in enumerate(tricky)]
     specs.append(t.job(plain=True))  # no key, priority, lease or time: the defaults
     ids = app.enqueue_many(specs)
+    # the same tricky values in a batch without keys or times (no ON CONFLICT clause)
+    plain = [t.configure(priority=i % 7, lease=2.5).job(s=tricky[i % len(tricky)], i=i)
+             for i in range(150)]
+    copied = app.enqueue_many(plain)
+    assert copied == sorted(copied) and copied[0] > ids[-1]
+    stored = dict(query(app.dsn, "SELECT id, jsonb_build_array(args, priority, "
+                        "lease_seconds, state, args_bytes, run_at = created_at) "
+                        "FROM {schema}.jobs WHERE id >= %s", [copied[0]], schema=app.schema))
+    for i, job_id in enumerate(copied):
+        text = plain[i].args_json
+        assert stored[job_id] == [{"s": tricky[i % len(tricky)], "i": i}, i % 7, 2.5,
+                                  "available", len(text.encode()), True]
     rows = query(app.dsn, "SELECT id, args, priority, max_attempts, idempotency_key, "
                  "lease_seconds, run_at, state, run_at - created_at FROM {schema}.jobs",
                  schema=app.schema)
