@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,9 @@ import psycopg
 import psycopg.rows
 import pytest
 
-from skipjack import App
+from skipjack import App, current_job
+from skipjack.maintenance import rescue
+from skipjack.worker import Worker
 
 from support import (
     Server,
@@ -348,3 +352,51 @@ def test_enqueue_on_a_connection_with_another_row_factory(tasks: App) -> None:
 def test_schema_from_the_environment(tasks: App, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SKIPJACK_SCHEMA", tasks.schema)
     assert App(tasks.dsn).schema == tasks.schema
+
+
+def test_job_claimed_again_by_the_same_worker_stops_its_stale_run(app: App) -> None:
+    """A run outlives its lease (a stalled worker), the job is rescued and this same worker
+    claims it again: the first run is told it lost the job, only the second run's outcome
+    counts, and the worker keeps tracking the second run (it is not forgotten when the first
+    one ends)."""
+    starts: list[int] = []
+    stale_cancelled = threading.Event()
+    release = threading.Event()
+
+    @app.task(name="twice", queue="q")
+    async def twice() -> None:
+        attempt = current_job().job.attempt
+        starts.append(attempt)
+        if attempt == 1:
+            try:
+                await asyncio.Event().wait()  # until cancelled
+            except asyncio.CancelledError:
+                stale_cancelled.set()
+                raise
+        else:
+            while not release.is_set():  # still running when the first run has ended
+                await asyncio.sleep(0.01)
+
+    worker = Worker(app, ["q"], concurrency=2, lease=60, heartbeat=20, poll_interval=0.2)
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    try:
+        job_id = twice.enqueue()
+        wait_until(lambda: starts == [1])
+        query(app.dsn, "UPDATE {schema}.jobs SET lease_expires_at = now() - interval '1s' "
+                       "WHERE id = %s", [job_id], schema=app.schema)
+        with app.connect() as conn:
+            assert rescue(conn, app.queries) == [(job_id, "available")]
+        wait_until(lambda: starts == [1, 2] and stale_cancelled.is_set())
+        assert worker._busy() == 1  # the second run is still tracked
+        release.set()
+        wait_until(lambda: (app.get_job(job_id) or {}).get("state") == "succeeded")
+        job = app.get_job(job_id)
+        assert job is not None and job["attempt"] == 2 and job["lease_version"] == 2
+        assert worker.stats.leases_lost == 1 and worker.stats.succeeded == 1
+        assert worker.stats.stale_writes == 0  # the stale run wrote nothing
+    finally:
+        release.set()
+        worker.stop()
+        thread.join(30)
+    assert not thread.is_alive()

@@ -546,6 +546,10 @@ class Worker:
 
     def _buffer(self, job: Job) -> None:
         """A claimed job waits here for a slot; its lease is renewed meanwhile."""
+        stale = self._running.get(job.id)
+        if stale is not None:  # its lease expired while it ran here, and it was rescued
+            self._lease_lost(job.id, stale.job.lease_version,
+                             "lease expired; the job was claimed again")
         self.stats.claimed += 1
         self._leases.add(job.id, job.lease_version, job.lease)
         self._ready[job.id] = job
@@ -599,7 +603,8 @@ class Worker:
             else:
                 outcome = self._failure(job, task, exc)
         finally:
-            self._running.pop(job.id, None)
+            if self._running.get(job.id) is running:  # not a later claim of the same job
+                del self._running[job.id]
             self._fill()  # the next buffered job takes the slot at once
             if job.queue in self._controlled:
                 self._due[job.queue] = True  # a slot of its limit may be free again
