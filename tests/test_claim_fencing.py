@@ -28,6 +28,12 @@ def claim(app: App, queue: str = "q", limit: int = 10, lease: float = 30.0,
             queue=queue, limit=limit, lease=lease, worker=worker)).fetchall()
 
 
+def token(rows: list[tuple[Any, ...]]) -> int:
+    """The lease_version (fencing token) of the one job a claim returned."""
+    assert len(rows) == 1
+    return int(rows[0][7])
+
+
 def record(app: App, job_id: int, version: int, kind: str, delay: float = 0.0,
            error: str | None = None) -> list[tuple[int, str]]:
     with app.connect() as conn:
@@ -79,9 +85,10 @@ def test_claim_order_priority_then_run_at_then_id(app: App) -> None:
 
 def test_claim_sets_lease_and_bumps_token(app: App) -> None:
     job_id = _task(app).enqueue()
-    assert len(claim(app, lease=30)) == 1
+    version = token(claim(app, lease=30))
     job = row(app, job_id)
-    assert job["state"] == "running" and job["attempt"] == 1 and job["lease_version"] == 1
+    assert job["state"] == "running" and job["attempt"] == 1 and job["lease_version"] == version
+    assert version >= 1  # raised by a random step from 0
     assert job["worker"] == "w"
     assert 29 < (job["lease_expires_at"] - job["attempted_at"]).total_seconds() <= 30
     assert claim(app) == []  # a running job is not claimed twice
@@ -90,19 +97,43 @@ def test_claim_sets_lease_and_bumps_token(app: App) -> None:
 @pytest.mark.parametrize("kind", ["complete", "retry", "discard", "release"])
 def test_fc03_stale_worker_writes_change_nothing(app: App, kind: str) -> None:
     job_id = _task(app).enqueue()
-    claim(app, worker="A")  # A holds lease_version 1
+    a = token(claim(app, worker="A"))
     expire(app, job_id)
     with app.connect() as conn:
         assert rescue(conn, app.queries) == [(job_id, "available")]
-    claim(app, worker="B")  # B holds lease_version 2
+    b = token(claim(app, worker="B"))
+    assert b > a
     before = row(app, job_id)
-    assert record(app, job_id, 1, kind, error=json.dumps({"error": "late"})) == []
-    assert heartbeat(app, job_id, 1) == []
+    assert record(app, job_id, a, kind, error=json.dumps({"error": "late"})) == []
+    assert heartbeat(app, job_id, a) == []
     after = row(app, job_id)
     assert after == before
-    assert after["worker"] == "B" and after["lease_version"] == 2 and after["attempt"] == 2
-    assert record(app, job_id, 2, "complete") == [(job_id, "succeeded")]
-    assert record(app, job_id, 2, "complete") == []  # exactly one terminal transition
+    assert after["worker"] == "B" and after["lease_version"] == b and after["attempt"] == 2
+    assert record(app, job_id, b, "complete") == [(job_id, "succeeded")]
+    assert record(app, job_id, b, "complete") == []  # exactly one terminal transition
+
+
+@pytest.mark.parametrize("kind", ["complete", "retry", "discard", "release"])
+def test_claim_undone_by_a_crash_does_not_hand_its_token_out_again(app: App, kind: str) -> None:
+    """Claims commit without waiting for their WAL flush, so a server crash can undo one: the
+    job is runnable again with its old token. The next claim must get a token of its own, so
+    the first claimer's writes still match nothing."""
+    job_id = _task(app).enqueue()
+    for _ in range(5):
+        a = token(claim(app, worker="A"))
+        # the row as the crash leaves it: as before A's claim
+        query(app.dsn, "UPDATE {schema}.jobs SET state = 'available', attempt = 0, "
+                       "lease_version = 0, worker = NULL, lease_expires_at = NULL, "
+                       "attempted_at = NULL WHERE id = %s", [job_id], schema=app.schema)
+        b = token(claim(app, worker="B"))
+        assert b != a
+        before = row(app, job_id)
+        assert record(app, job_id, a, kind, error=json.dumps({"error": "late"})) == []
+        assert heartbeat(app, job_id, a) == []
+        assert row(app, job_id) == before
+        query(app.dsn, "UPDATE {schema}.jobs SET state = 'available', attempt = 0, "
+                       "lease_version = 0, worker = NULL, lease_expires_at = NULL, "
+                       "attempted_at = NULL WHERE id = %s", [job_id], schema=app.schema)
 
 
 def test_fc01_rescue_returns_expired_jobs_by_row_only(app: App) -> None:
@@ -149,36 +180,36 @@ def test_fc02_rescuer_never_overwrites_a_completion_that_landed_after_its_read(
     """Step 1 of the rescuer reads the expired job; the worker then completes it; step 2
     must change nothing (it is fenced on state and the token read in step 1)."""
     job_id = _task(app).enqueue()
-    claim(app)
+    v = token(claim(app))
     expire(app, job_id)
     with app.connect() as conn:
         candidates = conn.execute(app.queries.RESCUE_CANDIDATES, {"limit": 10}).fetchall()
-        assert candidates == [(job_id, 1)]
+        assert candidates == [(job_id, v)]
         if random.random() < 0.5:  # the completion lands between the two steps
-            assert record(app, job_id, 1, "complete") == [(job_id, "succeeded")]
+            assert record(app, job_id, v, "complete") == [(job_id, "succeeded")]
             done = row(app, job_id)
             moved = conn.execute(app.queries.RESCUE, {
-                "id": [job_id], "lease_version": [1]}).fetchall()
+                "id": [job_id], "lease_version": [v]}).fetchall()
             assert moved == []
             assert row(app, job_id) == done
         else:  # or a re-claim by another worker lands there
-            query(app.dsn, "UPDATE {schema}.jobs SET lease_version = 2, "
+            query(app.dsn, "UPDATE {schema}.jobs SET lease_version = %s, "
                            "lease_expires_at = now() + interval '30 s' WHERE id = %s",
-                  [job_id], schema=app.schema)
+                  [v + 1, job_id], schema=app.schema)
             moved = conn.execute(app.queries.RESCUE, {
-                "id": [job_id], "lease_version": [1]}).fetchall()
+                "id": [job_id], "lease_version": [v]}).fetchall()
             assert moved == []
             assert row(app, job_id)["state"] == "running"
 
 
 def test_retry_after_last_attempt_discards_with_error_kept(app: App) -> None:
     job_id = _task(app).configure(max_attempts=2).enqueue()
-    claim(app)
+    v = token(claim(app))
     err = json.dumps({"attempt": 1, "error": "RuntimeError: one"})
-    assert record(app, job_id, 1, "retry", delay=0.0, error=err) == [(job_id, "available")]
-    claim(app)
+    assert record(app, job_id, v, "retry", delay=0.0, error=err) == [(job_id, "available")]
+    v = token(claim(app))
     err = json.dumps({"attempt": 2, "error": "RuntimeError: two", "traceback": "tb"})
-    assert record(app, job_id, 2, "retry", delay=0.0, error=err) == [(job_id, "discarded")]
+    assert record(app, job_id, v, "retry", delay=0.0, error=err) == [(job_id, "discarded")]
     job = row(app, job_id)
     assert [e["error"] for e in job["errors"]] == ["RuntimeError: one", "RuntimeError: two"]
     assert job["errors"][-1]["traceback"] == "tb"
@@ -186,16 +217,16 @@ def test_retry_after_last_attempt_discards_with_error_kept(app: App) -> None:
 
 def test_release_does_not_count_the_attempt(app: App) -> None:
     job_id = _task(app).enqueue()
-    claim(app)
-    assert record(app, job_id, 1, "release") == [(job_id, "available")]
+    v = token(claim(app))
+    assert record(app, job_id, v, "release") == [(job_id, "available")]
     job = row(app, job_id)
     assert job["attempt"] == 0 and job["lease_expires_at"] is None
 
 
 def test_retry_delay_is_applied_on_database_clock(app: App) -> None:
     job_id = _task(app).enqueue()
-    claim(app)
-    record(app, job_id, 1, "retry", delay=120.0, error=json.dumps({"error": "x"}))
+    v = token(claim(app))
+    record(app, job_id, v, "retry", delay=120.0, error=json.dumps({"error": "x"}))
     ((gap,),) = query(app.dsn, "SELECT extract(epoch FROM run_at - now()) FROM {schema}.jobs",
                       schema=app.schema)
     assert 110 < gap <= 120

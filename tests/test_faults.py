@@ -64,7 +64,7 @@ def test_stalled_worker_is_fenced_and_cancelled(tasks: App, tmp_path: Path, task
     finally:
         a.kill()
     job = tasks.get_job(job_id) or {}
-    assert job["lease_version"] == 2 and job["attempt"] == 2
+    assert job["attempt"] == 2  # claimed twice
     assert effect_counts(tasks.dsn, tasks.schema) == {job_id: 1}
     if task == "async_effect":  # A's handler was cancelled: it never finished
         assert exec_counts(tasks.dsn, tasks.schema, "finish") == {job_id: 1}
@@ -183,7 +183,7 @@ def test_held_claim_rolls_back_on_sigkill(tasks: App, tmp_path: Path) -> None:
         wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=30,
                    what="second worker ran it")
     job = tasks.get_job(job_id) or {}
-    assert job["attempt"] == 1 and job["lease_version"] == 1
+    assert job["attempt"] == 1
     assert effect_counts(tasks.dsn, tasks.schema) == {job_id: 1}
     assert exec_counts(tasks.dsn, tasks.schema) == {job_id: 2}
 

@@ -221,7 +221,7 @@ def test_fc04_heartbeat_keeps_long_jobs_single(tasks: App, tmp_path: Path, task:
         for w in workers:
             w.kill()
     job = tasks.get_job(job_id)
-    assert job is not None and job["lease_version"] == 1 and job["attempt"] == 1
+    assert job is not None and job["attempt"] == 1  # claimed once
     assert exec_counts(tasks.dsn, tasks.schema) == {job_id: 1}
 
 
@@ -235,8 +235,8 @@ def test_fc30_handlers_exhausting_their_pool_do_not_starve_leases(tasks: App,
         wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 40}, timeout=120,
                    what="pooled jobs done")
     assert exec_counts(tasks.dsn, tasks.schema) == dict.fromkeys(ids, 1)
-    assert query(tasks.dsn, "SELECT max(lease_version) FROM {schema}.jobs",
-                 schema=tasks.schema) == [(1,)]
+    assert query(tasks.dsn, "SELECT max(attempt) FROM {schema}.jobs",
+                 schema=tasks.schema) == [(1,)]  # no job claimed twice
 
 
 def test_worker_refuses_schema_newer_than_code(tasks: App, tmp_path: Path) -> None:
@@ -338,7 +338,7 @@ def test_job_lease_shorter_than_the_heartbeat_is_raised_to_what_it_can_keep(
         for w in workers:
             w.kill()
     job = tasks.get_job(job_id) or {}
-    assert job["lease_version"] == 1 and exec_counts(tasks.dsn, tasks.schema) == {job_id: 1}
+    assert job["attempt"] == 1 and exec_counts(tasks.dsn, tasks.schema) == {job_id: 1}
 
 
 def test_enqueue_on_a_connection_with_another_row_factory(tasks: App) -> None:
@@ -354,47 +354,56 @@ def test_schema_from_the_environment(tasks: App, monkeypatch: pytest.MonkeyPatch
     assert App(tasks.dsn).schema == tasks.schema
 
 
-def test_job_claimed_again_by_the_same_worker_stops_its_stale_run(app: App) -> None:
-    """A run outlives its lease (a stalled worker), the job is rescued and this same worker
-    claims it again: the first run is told it lost the job, only the second run's outcome
-    counts, and the worker keeps tracking the second run (it is not forgotten when the first
-    one ends)."""
-    starts: list[int] = []
+@pytest.mark.parametrize("how", ["rescued", "claim undone"])
+def test_job_claimed_again_by_the_same_worker_stops_its_stale_run(app: App, how: str) -> None:
+    """A run is still going when this same worker claims its job again: the job was rescued
+    after the run outlived its lease (a stalled worker), or a server crash undid the claim
+    (claims commit without waiting for their flush; the row is reset here as the crash would
+    leave it). The first run is told it lost the job, only the second run's outcome counts,
+    and the worker keeps tracking and renewing the second run after the first one ended."""
+    tokens: list[int] = []
     stale_cancelled = threading.Event()
     release = threading.Event()
 
     @app.task(name="twice", queue="q")
     async def twice() -> None:
-        attempt = current_job().job.attempt
-        starts.append(attempt)
-        if attempt == 1:
+        tokens.append(current_job().job.lease_version)
+        if len(tokens) == 1:
             try:
                 await asyncio.Event().wait()  # until cancelled
             except asyncio.CancelledError:
                 stale_cancelled.set()
                 raise
-        else:
-            while not release.is_set():  # still running when the first run has ended
-                await asyncio.sleep(0.01)
+        while not release.is_set():  # still running when the first run has ended
+            await asyncio.sleep(0.01)
 
     worker = Worker(app, ["q"], concurrency=2, lease=60, heartbeat=20, poll_interval=0.2)
     thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
     thread.start()
     try:
         job_id = twice.enqueue()
-        wait_until(lambda: starts == [1])
-        query(app.dsn, "UPDATE {schema}.jobs SET lease_expires_at = now() - interval '1s' "
-                       "WHERE id = %s", [job_id], schema=app.schema)
-        with app.connect() as conn:
-            assert rescue(conn, app.queries) == [(job_id, "available")]
-        wait_until(lambda: starts == [1, 2] and stale_cancelled.is_set())
+        wait_until(lambda: len(tokens) == 1)
+        if how == "rescued":
+            query(app.dsn, "UPDATE {schema}.jobs SET lease_expires_at = now() - interval '1s' "
+                           "WHERE id = %s", [job_id], schema=app.schema)
+            with app.connect() as conn:
+                assert rescue(conn, app.queries) == [(job_id, "available")]
+        else:
+            query(app.dsn, "UPDATE {schema}.jobs SET state = 'available', attempt = 0, "
+                           "lease_version = 0, worker = NULL, lease_expires_at = NULL "
+                           "WHERE id = %s", [job_id], schema=app.schema)
+        wait_until(lambda: len(tokens) == 2 and stale_cancelled.is_set())
+        assert tokens[0] != tokens[1]
         assert worker._busy() == 1  # the second run is still tracked
+        wait_until(lambda: job_id in worker._leases.by_id)  # and its lease still renewed
+        assert worker._leases.by_id[job_id].lease_version == tokens[1]
         release.set()
         wait_until(lambda: (app.get_job(job_id) or {}).get("state") == "succeeded")
         job = app.get_job(job_id)
-        assert job is not None and job["attempt"] == 2 and job["lease_version"] == 2
+        assert job is not None and job["lease_version"] == tokens[1]
         assert worker.stats.leases_lost == 1 and worker.stats.succeeded == 1
         assert worker.stats.stale_writes == 0  # the stale run wrote nothing
+        wait_until(lambda: worker._busy() == 0)  # the stale run's slot is free again
     finally:
         release.set()
         worker.stop()

@@ -122,7 +122,7 @@ class Completer:
 
     def submit(self, outcome: Outcome) -> None:
         """Queue an outcome for the next batch."""
-        self._leases.finishing(outcome.id)
+        self._leases.finishing(outcome.id, outcome.lease_version)
         self._pending.append(outcome)
         self._ready.set()
 

@@ -44,10 +44,11 @@ class Leases:
         with self.lock:
             self.by_id[job_id] = Lease(job_id, lease_version, lease, time.monotonic())
 
-    def finishing(self, job_id: int) -> None:
+    def finishing(self, job_id: int, lease_version: int) -> None:
         with self.lock:
-            if job_id in self.by_id:
-                self.by_id[job_id].finishing = True
+            lease = self.by_id.get(job_id)
+            if lease is not None and lease.lease_version == lease_version:
+                lease.finishing = True
 
     def remove(self, job_id: int, lease_version: int) -> None:
         with self.lock:

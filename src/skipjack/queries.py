@@ -8,6 +8,10 @@ running a statement costs no re-rendering (psycopg then caches its parse of the 
 Fencing: every write about a claimed job (complete, retry, discard, release, heartbeat,
 rescue) matches ``state = 'running' AND lease_version = <token read at claim>``. A write that
 matches no row is stale: the job was rescued and re-claimed meanwhile, and nothing changes.
+Each claim raises ``lease_version`` by a random step (1..2^31), not by one: claims commit
+without waiting for their WAL flush (``synchronous_commit = off`` on the claiming
+connection), so a server crash can undo one, and the next claim of that job must not hand
+the undone claim's token out again.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ SELECT id, idempotency_key FROM {schema}.jobs
 # One queue per statement (an ordered index scan; `queue = ANY(...)` would need a sort).
 # Marks the jobs running, starts the lease (the job's own lease_seconds, else the worker's;
 # never shorter than min_lease, the shortest lease this worker's heartbeat keeps alive),
-# counts the attempt and bumps the fencing token.
+# counts the attempt and raises the fencing token by a random step (see the top).
 # Large args (serialised size over %(inline_bytes)s) are not returned here; see LOAD_ARGS.
 # held_tasks / held split lease-mode claims (held = false: every task but those) from claims
 # in an open transaction (held = true: only those), see Task.transaction = "claim".
@@ -92,7 +96,7 @@ UPDATE {schema}.jobs AS j
        attempted_at = now(),
        lease_expires_at = now() + make_interval(secs => greatest(
                               coalesce(j.lease_seconds, %(lease)s), %(min_lease)s)),
-       lease_version = j.lease_version + 1,
+       lease_version = j.lease_version + 1 + floor(random() * 2147483647)::bigint,
        worker = %(worker)s
   FROM (SELECT id FROM {schema}.jobs
          WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
@@ -159,6 +163,11 @@ WITH q AS (
 SELECT * FROM claimed
 """
 
+# The producer's connection: claims need not wait for their WAL flush. A claim lost in a
+# crash only makes its job claimable again, and its token is not handed out again (see the
+# top of this module).
+ASYNC_CLAIMS = "SET synchronous_commit = off"
+
 CONTROLLED_QUEUES = """
 SELECT name FROM {schema}.queues WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL
 """
@@ -194,7 +203,8 @@ def text_array(items: Iterable[str | None]) -> str:
 
 def number_array(items: Iterable[int | float | None]) -> str:
     """A PostgreSQL array literal of finite numbers (None is NULL); see :func:`text_array`."""
-    return "{" + ",".join("NULL" if i is None else repr(i) for i in items) + "}"
+    return "{" + ",".join("NULL" if i is None else repr(float(i)) if isinstance(i, float)
+                          else str(int(i)) for i in items) + "}"
 
 
 # For claims held in an open transaction: the server ends the session, rolling the claim

@@ -70,6 +70,7 @@ class _Running:
     ctx: JobContext
     task: asyncio.Task[None] | None = None
     is_async: bool = False
+    superseded: bool = False  # a later claim of the same job replaced this run
 
 
 @dataclass
@@ -427,6 +428,7 @@ class Worker:
                     try:
                         if conn is None or conn.closed:
                             conn = await self.app.connect_async()
+                            await conn.execute(self.app.queries.ASYNC_CLAIMS)
                         if refresh:
                             cur = await conn.execute(self.app.queries.CONTROLLED_QUEUES)
                             self._controlled = {r[0] for r in await cur.fetchall()}
@@ -547,9 +549,15 @@ class Worker:
     def _buffer(self, job: Job) -> None:
         """A claimed job waits here for a slot; its lease is renewed meanwhile."""
         stale = self._running.get(job.id)
-        if stale is not None:  # its lease expired while it ran here, and it was rescued
+        if stale is not None:
+            # claimed again while it still runs here: its lease expired and it was rescued,
+            # or a server crash undid its claim. The old run is cancelled and writes nothing
+            # (its token is stale); until it ends it holds its slot as a stuck thread.
             self._lease_lost(job.id, stale.job.lease_version,
-                             "lease expired; the job was claimed again")
+                             "lease lost; the job was claimed again")
+            stale.superseded = True
+            del self._running[job.id]
+            self._stuck_threads += 1
         self.stats.claimed += 1
         self._leases.add(job.id, job.lease_version, job.lease)
         self._ready[job.id] = job
@@ -603,7 +611,9 @@ class Worker:
             else:
                 outcome = self._failure(job, task, exc)
         finally:
-            if self._running.get(job.id) is running:  # not a later claim of the same job
+            if running.superseded:  # see _buffer
+                self._stuck_threads -= 1
+            elif self._running.get(job.id) is running:
                 del self._running[job.id]
             self._fill()  # the next buffered job takes the slot at once
             if job.queue in self._controlled:
@@ -642,7 +652,7 @@ class Worker:
         """Run the handler; for transaction="complete" tasks, return whether the completion
         committed (see :mod:`skipjack.transactional`), else the handler's result."""
         fn, q, ctx = task.fn, self.app.queries, running.ctx
-        finishing = functools.partial(self._leases.finishing, ctx.job.id)
+        finishing = functools.partial(self._leases.finishing, ctx.job.id, ctx.job.lease_version)
         if task.transaction == "complete":
             if running.is_async:
                 assert self._apool is not None
