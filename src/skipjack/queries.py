@@ -602,7 +602,9 @@ def listen(channel: str) -> sql.Composed:
 @dataclass(frozen=True)
 class Queries:
     """The statements above, rendered for one schema, each as UTF-8 encoded SQL text
-    (``bytes``, which psycopg executes as is; connections use the UTF8 client encoding).
+    (``bytes``, which psycopg sends as is). The text is ASCII unless the schema name is not;
+    such a name then needs connections with the UTF8 client encoding (PostgreSQL's default
+    for UTF8 databases).
 
     Args:
         schema: the PostgreSQL schema that holds skipjack's tables (an identifier; it is
