@@ -70,6 +70,14 @@ def query(dsn: str, statement: str, params: Any = None, schema: str | None = Non
         return cur.fetchall() if cur.description else []
 
 
+def undo_claim(dsn: str, schema: str, job_id: int) -> None:
+    """Put a claimed job back as a server crash would leave it had the claim's commit not
+    reached the disk: runnable, never attempted, token 0."""
+    query(dsn, "UPDATE {schema}.jobs SET state = 'available', attempt = 0, lease_version = 0, "
+               "worker = NULL, lease_expires_at = NULL, attempted_at = NULL WHERE id = %s",
+          [job_id], schema=schema)
+
+
 def migration_locks(dsn: str, schema: str) -> int:
     """Advisory locks held on ``schema``'s migration key (other software may hold others)."""
     from skipjack.migrate import _lock_key

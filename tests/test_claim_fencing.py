@@ -12,7 +12,7 @@ from skipjack import App, queries
 from skipjack.completer import Outcome, outcome_params
 from skipjack.maintenance import rescue
 
-from support import query
+from support import query, undo_claim
 
 
 def claim_params(**overrides: Any) -> dict[str, Any]:
@@ -121,19 +121,14 @@ def test_claim_undone_by_a_crash_does_not_hand_its_token_out_again(app: App, kin
     job_id = _task(app).enqueue()
     for _ in range(5):
         a = token(claim(app, worker="A"))
-        # the row as the crash leaves it: as before A's claim
-        query(app.dsn, "UPDATE {schema}.jobs SET state = 'available', attempt = 0, "
-                       "lease_version = 0, worker = NULL, lease_expires_at = NULL, "
-                       "attempted_at = NULL WHERE id = %s", [job_id], schema=app.schema)
+        undo_claim(app.dsn, app.schema, job_id)
         b = token(claim(app, worker="B"))
         assert b != a
         before = row(app, job_id)
         assert record(app, job_id, a, kind, error=json.dumps({"error": "late"})) == []
         assert heartbeat(app, job_id, a) == []
         assert row(app, job_id) == before
-        query(app.dsn, "UPDATE {schema}.jobs SET state = 'available', attempt = 0, "
-                       "lease_version = 0, worker = NULL, lease_expires_at = NULL, "
-                       "attempted_at = NULL WHERE id = %s", [job_id], schema=app.schema)
+        undo_claim(app.dsn, app.schema, job_id)
 
 
 def test_fc01_rescue_returns_expired_jobs_by_row_only(app: App) -> None:

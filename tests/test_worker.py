@@ -23,6 +23,7 @@ from support import (
     exec_counts,
     query,
     states,
+    undo_claim,
     wait_until,
 )
 
@@ -389,9 +390,7 @@ def test_job_claimed_again_by_the_same_worker_stops_its_stale_run(app: App, how:
             with app.connect() as conn:
                 assert rescue(conn, app.queries) == [(job_id, "available")]
         else:
-            query(app.dsn, "UPDATE {schema}.jobs SET state = 'available', attempt = 0, "
-                           "lease_version = 0, worker = NULL, lease_expires_at = NULL "
-                           "WHERE id = %s", [job_id], schema=app.schema)
+            undo_claim(app.dsn, app.schema, job_id)
         wait_until(lambda: len(tokens) == 2 and stale_cancelled.is_set())
         assert tokens[0] != tokens[1]
         assert worker._busy() == 1  # the second run is still tracked
