@@ -197,6 +197,34 @@ def test_fc02_rescuer_never_overwrites_a_completion_that_landed_after_its_read(
             assert row(app, job_id)["state"] == "running"
 
 
+def test_heartbeat_skips_rows_locked_by_others_instead_of_waiting(app: App) -> None:
+    """The worker's completer may hold some of its jobs' rows while the heartbeat renews them
+    all; the two locking in different orders deadlocked (FC-26's soak saw it). The heartbeat
+    must never wait: a locked job comes back as still held but not renewed, the rest renew."""
+    t = _task(app)
+    ids = [t.enqueue(), t.enqueue()]
+    rows = claim(app, limit=2)
+    versions = {r[0]: int(r[7]) for r in rows}
+    expire(app, ids[0])
+    expire(app, ids[1])
+    with app.connect() as completer:
+        with completer.transaction():  # the completer is writing ids[1] and has not committed
+            assert completer.execute(app.queries.RECORD_OUTCOMES, outcome_params(
+                [Outcome(ids[1], versions[ids[1]], "", "complete")])).fetchall() == [
+                    (ids[1], "succeeded")]
+            with app.connect() as conn:
+                conn.execute("SET lock_timeout = '10s'")  # the old statement waited here
+                beat = conn.execute(app.queries.HEARTBEAT, {
+                    "id": ids, "lease_version": [versions[i] for i in ids], "lease": 30.0,
+                    "min_lease": 0.0}).fetchall()
+            assert sorted(beat) == [(ids[0], False), (ids[1], None)]
+            renewed = query(app.dsn, "SELECT id FROM {schema}.jobs "
+                            "WHERE lease_expires_at > now() ORDER BY id", schema=app.schema)
+            assert renewed == [(ids[0],)]
+    assert row(app, ids[1])["state"] == "succeeded"
+    assert heartbeat(app, ids[1], versions[ids[1]]) == []  # completed: no longer held
+
+
 def test_retry_after_last_attempt_discards_with_error_kept(app: App) -> None:
     job_id = _task(app).configure(max_attempts=2).enqueue()
     v = token(claim(app))

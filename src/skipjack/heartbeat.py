@@ -142,16 +142,20 @@ class Heartbeat(threading.Thread):
             {"lease": self._lease, "min_lease": 3 * self._interval, "id": [x.id for x in held],
              "lease_version": [x.lease_version for x in held]},
         ).fetchall()
-        renewed = {job_id: cancel for job_id, cancel in rows}
+        # job id -> cancel_requested, or None for a job still held but locked by another
+        # transaction (not renewed this time); a job missing from the rows lost its lease
+        still_held = {job_id: cancel for job_id, cancel in rows}
         lost, cancel = [], []
         with self._leases.lock:
             for x in held:
                 current = self._leases.by_id.get(x.id)
                 if current is None or current.lease_version != x.lease_version:
                     continue
-                if x.id in renewed:
+                if x.id in still_held:
+                    if still_held[x.id] is None:
+                        continue
                     current.renewed_at = started
-                    if renewed[x.id] and (x.id, x.lease_version) not in self._cancelled:
+                    if still_held[x.id] and (x.id, x.lease_version) not in self._cancelled:
                         cancel.append(x)
                 elif not current.finishing:
                     del self._leases.by_id[x.id]

@@ -270,15 +270,31 @@ UPDATE {schema}.jobs AS j
 RETURNING j.id, j.state
 """
 
-# Renew the leases of a batch of running jobs (fenced). Ids missing from RETURNING lost
-# their lease; cancel_requested tells the worker to stop the handler.
+# Renew the leases of a batch of running jobs (fenced). It never waits on a row lock (SKIP
+# LOCKED): the worker's own completer, a cancel request or a rescuer may hold some of the rows,
+# and waiting on them in another order than theirs could deadlock. One row per job still held
+# as of the statement's snapshot: cancel_requested is NULL for a job locked by someone else
+# (not renewed this time; the next beat tries again). Ids missing from the result lost their
+# lease; cancel_requested true tells the worker to stop the handler.
 HEARTBEAT = """
-UPDATE {schema}.jobs AS j
-   SET lease_expires_at = now() + make_interval(secs => greatest(
-                              coalesce(j.lease_seconds, %(lease)s), %(min_lease)s))
-  FROM unnest(%(id)s::bigint[], %(lease_version)s::bigint[]) AS h(id, lease_version)
- WHERE j.id = h.id AND j.lease_version = h.lease_version AND j.state = 'running'
-RETURNING j.id, j.cancel_requested
+WITH h AS (
+    SELECT j.id, j.lease_version FROM {schema}.jobs AS j
+      JOIN unnest(%(id)s::bigint[], %(lease_version)s::bigint[]) AS h(id, lease_version)
+        ON j.id = h.id AND j.lease_version = h.lease_version
+     WHERE j.state = 'running'
+), locked AS (
+    SELECT j.id FROM {schema}.jobs AS j
+      JOIN h ON j.id = h.id AND j.lease_version = h.lease_version
+     WHERE j.state = 'running'
+       FOR UPDATE OF j SKIP LOCKED
+), renewed AS (
+    UPDATE {schema}.jobs AS j
+       SET lease_expires_at = now() + make_interval(secs => greatest(
+                                  coalesce(j.lease_seconds, %(lease)s), %(min_lease)s))
+      FROM locked WHERE j.id = locked.id
+    RETURNING j.id, j.cancel_requested
+)
+SELECT h.id, renewed.cancel_requested FROM h LEFT JOIN renewed ON renewed.id = h.id
 """
 
 # --- stager --------------------------------------------------------------------------------
