@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from . import transactional
+from . import eventloop, transactional
 from .app import Task
 from .completer import (
     Completer,
@@ -194,8 +194,9 @@ class Worker:
         once with status 1 (the jobs' leases then expire and the rescuer returns them).
 
         Unlike ``asyncio.run``, it does not wait for handlers that ignored cancellation (their
-        jobs were already released)."""
-        loop = asyncio.new_event_loop()
+        jobs were already released). Its event loop's timers fire on time (see
+        :mod:`skipjack.eventloop`)."""
+        loop = eventloop.new_event_loop()
         try:
             loop.run_until_complete(self._run_with_signals())
         finally:

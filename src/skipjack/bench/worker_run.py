@@ -14,6 +14,7 @@ from typing import Any
 
 from psycopg import sql
 
+from .. import eventloop
 from ..app import App
 from ..jobs import JobSpec
 from ..migrate import channel_name
@@ -63,7 +64,8 @@ def run_worker(app: App, *, concurrency: int, until: Callable[[], Awaitable[Any]
             await running
             await app.close_async()  # an async pool opened on this loop must close on it
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=eventloop.new_event_loop) as runner:  # as Worker.run
+        runner.run(main())
     return worker
 
 
