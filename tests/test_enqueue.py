@@ -205,6 +205,39 @@ def test_concurrent_idempotent_enqueue_gives_one_job(app: App) -> None:
     assert len(_ids(app)) == 1
 
 
+def test_bulk_enqueue_of_jobs_sharing_their_options(app: App) -> None:
+    """Options every job of a batch shares are bound once for all; each job must still get
+    them, whichever options are shared and whichever differ."""
+    t = _task(app)
+    at = datetime(2031, 5, 6, 7, 8, 9, 123456, tzinfo=UTC)
+    later = t.configure(queue="other", priority=3, max_attempts=4, lease=7.5, delay=60,
+                        unique_while=("scheduled", "available", "running"))
+    planned = t.configure(run_at=at, priority=-2)
+    batches = {
+        "delayed": [later.job(i=i) for i in range(4)],
+        "planned": [planned.job(i=i) for i in range(3)],
+        "mixed": [later.job(i=0), planned.job(i=1), t.job(i=2)],
+    }
+    ids = {name: app.enqueue_many(specs) for name, specs in batches.items()}
+    rows = {r[0]: r[1:] for r in query(
+        app.dsn, "SELECT id, queue, task, args, priority, max_attempts, lease_seconds, "
+        "unique_states, state, run_at, round(extract(epoch FROM run_at - created_at)) "
+        "FROM {schema}.jobs", schema=app.schema)}
+    delayed = ("other", "t", 3, 4, 7.5, 7, "scheduled")
+    planned_row = ("q", "t", -2, 25, None, 63, "scheduled")
+    plain = ("q", "t", 0, 25, None, 63, "available")
+    for i, job_id in enumerate(ids["delayed"]):
+        queue, task, args, prio, attempts, lease, mask, state, _, wait = rows[job_id]
+        assert (queue, task, prio, attempts, lease, mask, state) == delayed
+        assert args == {"i": i} and wait == 60
+    for i, job_id in enumerate(ids["planned"]):
+        queue, task, args, prio, attempts, lease, mask, state, run_at, _ = rows[job_id]
+        assert (queue, task, prio, attempts, lease, mask, state) == planned_row
+        assert args == {"i": i} and run_at == at
+    for job_id, expected in zip(ids["mixed"], (delayed, planned_row, plain), strict=True):
+        assert rows[job_id][:2] + rows[job_id][3:8] == expected
+
+
 def test_bulk_enqueue_stores_every_value_exactly(app: App) -> None:
     """Bulk enqueue binds each column as one array literal: quotes, backslashes, braces,
     commas, the word NULL and non-ASCII text must all arrive unchanged, None as NULL."""

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from operator import attrgetter
 from typing import Any, overload
 
 import psycopg
@@ -536,9 +537,26 @@ def _as_specs(jobs: Iterable[JobSpec]) -> list[JobSpec]:
     return specs
 
 
+# The columns of a bulk enqueue besides args: (JobSpec attribute, statement parameter,
+# array literal of a list of values).
+_BULK_COLUMNS: tuple[tuple[str, str, Callable[[list[Any]], str]], ...] = (
+    ("queue", "queue", text_array),
+    ("task", "task", text_array),
+    ("priority", "priority", number_array),
+    ("max_attempts", "max_attempts", number_array),
+    ("run_at", "run_at", lambda values: text_array(
+        [None if v is None else v.isoformat() for v in values])),
+    ("delay", "delay", number_array),
+    ("idempotency_key", "idempotency_key", text_array),
+    ("lease", "lease_seconds", number_array),
+    ("unique_states", "unique_states", number_array),
+)
+
+
 def _enqueue_statement(q: Queries, specs: list[JobSpec]) -> tuple[bytes, dict[str, Any]]:
-    """ENQUEUE_ONE with plain values for one job, else ENQUEUE with one array literal per
-    column (see :func:`~skipjack.queries.text_array`); their *_NO_KEYS forms when no job
+    """ENQUEUE_ONE with plain values for one job, else ENQUEUE with args as one array
+    literal (see :func:`~skipjack.queries.text_array`) and each other column as one value
+    when every job shares it, else as an array literal; their *_NO_KEYS forms when no job
     has an idempotency key."""
     keyed = any(s.idempotency_key is not None for s in specs)
     if len(specs) == 1:
@@ -548,19 +566,14 @@ def _enqueue_statement(q: Queries, specs: list[JobSpec]) -> tuple[bytes, dict[st
             "max_attempts": s.max_attempts, "run_at": s.run_at, "delay": s.delay,
             "idempotency_key": s.idempotency_key, "lease_seconds": s.lease,
             "unique_states": s.unique_states}
-    return q.ENQUEUE if keyed else q.ENQUEUE_NO_KEYS, {
-        "queue": text_array([s.queue for s in specs]),
-        "task": text_array([s.task for s in specs]),
-        "args": text_array([s.args_json for s in specs]),
-        "priority": number_array([s.priority for s in specs]),
-        "max_attempts": number_array([s.max_attempts for s in specs]),
-        "run_at": text_array([None if s.run_at is None else s.run_at.isoformat()
-                              for s in specs]),
-        "delay": number_array([s.delay for s in specs]),
-        "idempotency_key": text_array([s.idempotency_key for s in specs]),
-        "lease_seconds": number_array([s.lease for s in specs]),
-        "unique_states": number_array([s.unique_states for s in specs]),
-    }
+    params: dict[str, Any] = {"args": text_array([s.args_json for s in specs])}
+    for attr, name, array in _BULK_COLUMNS:
+        values = list(map(attrgetter(attr), specs))
+        if values.count(values[0]) == len(values):
+            params[name], params["same_" + name] = None, values[0]
+        else:
+            params[name], params["same_" + name] = array(values), None
+    return q.ENQUEUE if keyed else q.ENQUEUE_NO_KEYS, params
 
 
 # A key whose holder finished between our insert and our look-up of its id is free again:
@@ -586,6 +599,8 @@ def _assign_ids(
 ) -> list[int]:
     """Map returned rows back to input order: keyed jobs by key, the rest by id order
     (rows were inserted in input order, so their identity values ascend with it)."""
+    if not existing and len(rows) == len(specs) and all(key is None for _, key in rows):
+        return sorted(job_id for job_id, _ in rows)  # no keys: the common bulk case
     by_key = {key: job_id for job_id, key in existing}
     by_key.update({key: job_id for job_id, key in rows if key is not None})
     unkeyed = iter(sorted(job_id for job_id, key in rows if key is None))

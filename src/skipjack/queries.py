@@ -23,24 +23,36 @@ from psycopg import sql
 
 # --- enqueue -------------------------------------------------------------------------------
 
-# Many jobs in one statement, each column bound as one array literal (text_array,
-# number_array). Rows are inserted in array order (WITH ORDINALITY + ORDER BY),
-# so identity values grow in input order. Delays are seconds, added to the database clock;
-# a job due later waits in 'scheduled'. Keys: see _ON_CONFLICT below (the caller then reads
-# the existing id).
+# Many jobs in one statement. args is bound as one array literal (text_array); each other
+# column either as an array literal too, or, when every job shares its value (one task's
+# jobs usually do), as that one value in same_<column> with the array NULL: fewer and
+# shorter arrays to build, bind and unnest (a third of the statement's time for 10,000
+# jobs). Rows are inserted in array order (WITH ORDINALITY + ORDER BY), so identity values
+# grow in input order. Delays are seconds, added to the database clock; a job due later
+# waits in 'scheduled'. Keys: see _ON_CONFLICT below (the caller then reads the existing id).
 _ENQUEUE = """
 INSERT INTO {schema}.jobs (queue, task, args, args_bytes, priority, max_attempts, run_at, state,
                            idempotency_key, unique_states, lease_seconds)
 SELECT x.queue, x.task, x.args::jsonb, octet_length(x.args), x.priority, x.max_attempts,
        x.at, CASE WHEN x.at > now() THEN 'scheduled' ELSE 'available' END,
        x.idempotency_key, x.unique_states, x.lease_seconds
-  FROM (SELECT u.*, coalesce(u.run_at, now() + make_interval(secs => coalesce(u.delay, 0))) AS at
-          FROM unnest(%(queue)s::text[], %(task)s::text[], %(args)s::text[],
+  FROM (SELECT u.ord, u.args,
+               coalesce(u.queue, %(same_queue)s::text) AS queue,
+               coalesce(u.task, %(same_task)s::text) AS task,
+               coalesce(u.priority, %(same_priority)s::smallint) AS priority,
+               coalesce(u.max_attempts, %(same_max_attempts)s::int) AS max_attempts,
+               coalesce(u.run_at, %(same_run_at)s::timestamptz,
+                        now() + make_interval(secs => coalesce(
+                            u.delay, %(same_delay)s::float8, 0))) AS at,
+               coalesce(u.idempotency_key, %(same_idempotency_key)s::text) AS idempotency_key,
+               coalesce(u.unique_states, %(same_unique_states)s::smallint) AS unique_states,
+               coalesce(u.lease_seconds, %(same_lease_seconds)s::float8) AS lease_seconds
+          FROM unnest(%(args)s::text[], %(queue)s::text[], %(task)s::text[],
                       %(priority)s::smallint[], %(max_attempts)s::int[],
                       %(run_at)s::timestamptz[], %(delay)s::float8[],
                       %(idempotency_key)s::text[], %(unique_states)s::smallint[],
                       %(lease_seconds)s::float8[])
-               WITH ORDINALITY AS u(queue, task, args, priority, max_attempts, run_at, delay,
+               WITH ORDINALITY AS u(args, queue, task, priority, max_attempts, run_at, delay,
                                     idempotency_key, unique_states, lease_seconds, ord)) AS x
  ORDER BY x.ord
 <<ON_CONFLICT>>
