@@ -155,18 +155,10 @@ class Task:
         Raises:
             ValidationError: the arguments break a rule of :mod:`skipjack.jobs`.
         """
-        return JobSpec(
-            queue=self.queue,
-            task=self.name,
-            args_json=serialize_args(kwargs, self.app.max_args_bytes),
-            priority=self.priority,
-            max_attempts=self.max_attempts,
-            run_at=self.run_at,
-            delay=self.delay,
-            idempotency_key=self.idempotency_key,
-            lease=self.lease,
-            unique_states=self.unique_states,
-        )
+        # positional, in JobSpec's field order: a third cheaper than keywords per job
+        return JobSpec(self.queue, self.name, serialize_args(kwargs, self.app.max_args_bytes),
+                       self.priority, self.max_attempts, self.run_at, self.delay,
+                       self.idempotency_key, self.lease, self.unique_states)
 
     def enqueue(self, **kwargs: Any) -> int:
         """Enqueue one job on the app's own connection (committed at once); returns its id."""

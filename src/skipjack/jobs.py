@@ -56,7 +56,8 @@ class JobSpec:
     """A validated job, ready to enqueue. Build it with :meth:`skipjack.Task.job`.
 
     ``args_json`` is the serialised args (UTF-8 JSON text); ``delay`` is seconds from the
-    database's ``now()`` when ``run_at`` is None.
+    database's ``now()`` when ``run_at`` is None. (Task.job passes the fields by position:
+    keep their order.)
     """
 
     queue: str
