@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import selectors
 import socket
 import threading
@@ -57,3 +58,17 @@ def test_io_wakes_a_wait_that_has_a_long_timeout() -> None:
     finally:
         left.close()
         right.close()
+
+
+def test_the_worker_loop_lowers_its_threads_timer_slack() -> None:
+    """Linux may end a timed wait up to the thread's timer slack late (50 us by default)."""
+    seen: list[int] = []
+
+    def make_loop() -> None:
+        eventloop.new_event_loop().close()
+        seen.append(ctypes.CDLL(None).prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK
+
+    thread = threading.Thread(target=make_loop)
+    thread.start()
+    thread.join(30)
+    assert seen == [1000]
