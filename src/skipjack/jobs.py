@@ -268,9 +268,17 @@ def serialize_args(args: object, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> str
     return text
 
 
+_CONTAINERS = (dict, list, tuple)
+
+
 def _check_keys(args: dict[Any, Any]) -> None:
     """Refuse non-str dict keys at any depth (JSON would turn 1, True, None into strings)."""
-    stack: list[Any] = [args]
+    stack: list[Any] = []
+    for key, value in args.items():  # the top level on its own: most args are flat
+        if not isinstance(key, str):
+            raise ValidationError("args", f"dict keys must be str, got {key!r}")
+        if isinstance(value, _CONTAINERS):
+            stack.append(value)
     seen = 0
     while stack:
         node = stack.pop()
@@ -281,10 +289,10 @@ def _check_keys(args: dict[Any, Any]) -> None:
             for key, value in node.items():
                 if not isinstance(key, str):
                     raise ValidationError("args", f"dict keys must be str, got {key!r}")
-                if isinstance(value, dict | list | tuple):
+                if isinstance(value, _CONTAINERS):
                     stack.append(value)
         else:
-            stack.extend(v for v in node if isinstance(v, dict | list | tuple))
+            stack.extend(v for v in node if isinstance(v, _CONTAINERS))
 
 
 RESULT_MAX_BYTES = 1024 * 1024
