@@ -6,6 +6,7 @@ import asyncio
 import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import psycopg
 
@@ -236,6 +237,33 @@ def test_bulk_enqueue_of_jobs_sharing_their_options(app: App) -> None:
         assert args == {"i": i} and run_at == at
     for job_id, expected in zip(ids["mixed"], (delayed, planned_row, plain), strict=True):
         assert rows[job_id][:2] + rows[job_id][3:8] == expected
+
+
+def test_bulk_enqueue_keeps_both_times_of_an_hour_the_clocks_repeat(app: App) -> None:
+    """02:30 happens twice in Berlin on 2030-10-27 (fold 0 and 1): Python calls the two
+    datetimes equal, but they are an hour apart, and each job must keep its own."""
+    berlin = ZoneInfo("Europe/Berlin")
+    first = datetime(2030, 10, 27, 2, 30, tzinfo=berlin, fold=0)
+    second = datetime(2030, 10, 27, 2, 30, tzinfo=berlin, fold=1)
+    assert first == second and first.utcoffset() != second.utcoffset()
+    t = _task(app)
+    for times in ([first, second], [second, first]):
+        ids = app.enqueue_many([t.configure(run_at=at).job() for at in times])
+        stored = dict(query(app.dsn, "SELECT id, run_at FROM {schema}.jobs WHERE id = ANY(%s)",
+                            [ids], schema=app.schema))
+        assert [stored[i] for i in ids] == [at.astimezone(UTC) for at in times]
+
+
+def test_args_bytes_is_the_size_of_the_json_sent(app: App) -> None:
+    """jsonb re-prints what it stores ({"a":"x"} comes back as {"a": "x"}); args_bytes is the
+    size of the text skipjack sent, for one job and for many."""
+    t = _task(app)
+    specs = [t.job(a="x", b=[1, 2], c={"d": None}), t.job(e="é")]
+    ids = [app.enqueue(specs[0]), *app.enqueue_many(specs)]
+    stored = dict(query(app.dsn, "SELECT id, args_bytes FROM {schema}.jobs",
+                        schema=app.schema))
+    sizes = [len(s.args_json.encode()) for s in specs]
+    assert [stored[i] for i in ids] == [sizes[0], *sizes]
 
 
 def test_bulk_enqueue_stores_every_value_exactly(app: App) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 import uuid
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
 
@@ -130,6 +130,10 @@ def test_fc08_oversized_args_are_rejected_before_the_database(app: App) -> None:
     ("max_attempts", {"max_attempts": 10_001}, "out of range"),
     ("run_at", {"run_at": datetime(2030, 1, 1)}, "naive datetime"),
     ("run_at", {"run_at": "2030-01-01"}, "must be a datetime"),
+    ("run_at", {"run_at": datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=1)))},
+     "outside years 1-9999 in UTC"),
+    ("run_at", {"run_at": datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-5)))},
+     "outside years 1-9999 in UTC"),
     ("delay", {"delay": -1}, "out of range"),
     ("delay", {"delay": math.inf}, "out of range"),
     ("delay", {"delay": timedelta(days=-1)}, "out of range"),

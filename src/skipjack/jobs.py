@@ -32,7 +32,7 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .errors import ValidationError
@@ -171,7 +171,8 @@ def check_timeout(value: object) -> float | None:
 
 
 def check_run_at(value: object) -> datetime | None:
-    """Raises ValidationError for anything but None or an aware datetime."""
+    """Raises ValidationError for anything but None or an aware datetime whose UTC time is
+    within years 1-9999 (a time outside them could be stored, but not read back in Python)."""
     if value is None:
         return None
     if not isinstance(value, datetime):
@@ -181,6 +182,11 @@ def check_run_at(value: object) -> datetime | None:
             "run_at",
             "naive datetime: pass an aware one (e.g. datetime.now(timezone.utc)) or use delay",
         )
+    try:
+        value.astimezone(UTC)
+    except OverflowError:
+        raise ValidationError("run_at", f"{value.isoformat()} is outside years 1-9999 in "
+                              "UTC") from None
     return value
 
 

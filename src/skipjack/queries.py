@@ -63,11 +63,12 @@ RETURNING id, idempotency_key
 _ENQUEUE_ONE = """
 INSERT INTO {schema}.jobs (queue, task, args, args_bytes, priority, max_attempts, run_at, state,
                            idempotency_key, unique_states, lease_seconds)
-SELECT %(queue)s, %(task)s, %(args)s::jsonb, octet_length(%(args)s::text),
+SELECT %(queue)s, %(task)s, x.args::jsonb, octet_length(x.args),
        %(priority)s::smallint, %(max_attempts)s::int,
        x.at, CASE WHEN x.at > now() THEN 'scheduled' ELSE 'available' END,
        %(idempotency_key)s::text, %(unique_states)s::smallint, %(lease_seconds)s::float8
-  FROM (SELECT coalesce(%(run_at)s::timestamptz,
+  FROM (SELECT %(args)s::text AS args,
+               coalesce(%(run_at)s::timestamptz,
                         now() + make_interval(secs => coalesce(%(delay)s::float8, 0))) AS at) AS x
 <<ON_CONFLICT>>
 RETURNING id, idempotency_key
