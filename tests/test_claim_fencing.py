@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import pytest
+from psycopg import sql
 
 from skipjack import App, queries
 from skipjack.completer import Outcome, outcome_params
@@ -223,6 +224,26 @@ def test_heartbeat_skips_rows_locked_by_others_instead_of_waiting(app: App) -> N
             assert renewed == [(ids[0],)]
     assert row(app, ids[1])["state"] == "succeeded"
     assert heartbeat(app, ids[1], versions[ids[1]]) == []  # completed: no longer held
+
+
+def test_a_foreign_key_to_a_job_hides_it_from_nothing(app: App) -> None:
+    """An application row that references a job (a foreign key) holds FOR KEY SHARE on the
+    job's row until its transaction ends, e.g. a transaction="complete" handler's effect row.
+    The queue's own statements must not take that lock as a reason to skip the job: the
+    heartbeat renews it, cancel requests reach it, the rescuer returns it, claims take it."""
+    t = _task(app)
+    running_id, waiting_id = t.enqueue(), t.enqueue(priority=-1)
+    version = token(claim(app, limit=1))
+    with app.connect() as handler, handler.transaction():
+        handler.execute(sql.SQL("SELECT 1 FROM {}.jobs WHERE id = ANY(%s) FOR KEY SHARE")
+                        .format(sql.Identifier(app.schema)), [[running_id, waiting_id]])
+        assert heartbeat(app, running_id, version) == [(running_id, False)]
+        assert app.cancel(ids=[running_id], timeout=2) == {"cancelled": 0, "requested": 1}
+        assert heartbeat(app, running_id, version) == [(running_id, True)]
+        expire(app, running_id)
+        with app.connect() as conn:
+            assert rescue(conn, app.queries) == [(running_id, "cancelled")]
+        assert [r[0] for r in claim(app)] == [waiting_id]
 
 
 def test_retry_after_last_attempt_discards_with_error_kept(app: App) -> None:

@@ -5,7 +5,7 @@
 - the cron scheduler enqueues each due slot once (see :mod:`skipjack.cron`);
 - the pruner deletes finished jobs past their retention.
 
-None of them needs a leader: each takes its rows with ``FOR UPDATE SKIP LOCKED`` (so none
+None of them needs a leader: each takes its rows with ``SKIP LOCKED`` (so none
 waits on, or deadlocks with, workers or one another), and uniqueness in the database makes
 duplicates impossible. The rescuer reads only the job row (lease expiry and fencing token),
 never a worker registry, so a crashed worker's jobs are recovered whatever name the next

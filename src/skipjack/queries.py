@@ -12,6 +12,12 @@ Each claim raises ``lease_version`` by a random step (1..2^31), not by one: clai
 without waiting for their WAL flush (``synchronous_commit = off`` on the claiming
 connection), so a server crash can undo one, and the next claim of that job must not hand
 the undone claim's token out again.
+
+Row locks: statements that take job rows before updating them lock them FOR NO KEY UPDATE
+(what an UPDATE of non-key columns takes anyway), never FOR UPDATE, so a row of the
+application's that references a job (a foreign key takes FOR KEY SHARE on the job's row for
+its transaction) does not hide the job from claims, heartbeats, rescues or cancels. Only the
+pruner's DELETE takes FOR UPDATE.
 """
 
 from __future__ import annotations
@@ -117,7 +123,7 @@ UPDATE {schema}.jobs AS j
            AND <<QUEUE_FILTER>>
          ORDER BY <<ORDER>>
          LIMIT <<LIMIT>>
-           FOR UPDATE SKIP LOCKED) AS c
+           FOR NO KEY UPDATE SKIP LOCKED) AS c
  WHERE j.id = c.id
 RETURNING j.id, j.queue, j.task,
           CASE WHEN j.args_bytes <= %(inline_bytes)s THEN j.args END AS args,
@@ -299,7 +305,7 @@ WITH h AS (
     SELECT j.id FROM {schema}.jobs AS j
       JOIN h ON j.id = h.id AND j.lease_version = h.lease_version
      WHERE j.state = 'running'
-       FOR UPDATE OF j SKIP LOCKED
+       FOR NO KEY UPDATE OF j SKIP LOCKED
 ), renewed AS (
     UPDATE {schema}.jobs AS j
        SET lease_expires_at = now() + make_interval(secs => greatest(
@@ -319,7 +325,7 @@ WITH due AS (
      WHERE state = 'scheduled' AND run_at <= now()
      ORDER BY run_at
      LIMIT %(limit)s
-       FOR UPDATE SKIP LOCKED
+       FOR NO KEY UPDATE SKIP LOCKED
 ), staged AS (
     UPDATE {schema}.jobs AS j SET state = 'available' FROM due WHERE j.id = due.id
     RETURNING j.queue
@@ -360,7 +366,7 @@ UPDATE {schema}.jobs AS j
             ON s.id = c.id AND s.lease_version = c.lease_version
          WHERE s.state = 'running' AND s.lease_expires_at < now()
          ORDER BY s.id
-           FOR UPDATE OF s SKIP LOCKED) AS r
+           FOR NO KEY UPDATE OF s SKIP LOCKED) AS r
  WHERE j.id = r.id
 RETURNING j.id, j.state, j.queue
 """
@@ -420,7 +426,7 @@ CANCEL_WAITING = """
 WITH c AS (
     SELECT id FROM {schema}.jobs
      WHERE state IN ('scheduled', 'available') AND """ + _CANCEL_FILTER + """
-     ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+     ORDER BY id LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED
 )
 UPDATE {schema}.jobs AS j SET state = 'cancelled', finished_at = now()
   FROM c WHERE j.id = c.id
@@ -431,7 +437,7 @@ REQUEST_CANCEL = """
 WITH c AS (
     SELECT id FROM {schema}.jobs
      WHERE state = 'running' AND NOT cancel_requested AND """ + _CANCEL_FILTER + """
-     ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+     ORDER BY id LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED
 )
 UPDATE {schema}.jobs AS j SET cancel_requested = true FROM c WHERE j.id = c.id
 RETURNING j.id
