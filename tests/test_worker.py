@@ -327,6 +327,24 @@ def test_sigterm_with_a_handler_that_ignores_cancellation(tasks: App, tmp_path: 
     assert "ignored cancellation" in w.log()
 
 
+def test_sigterm_with_a_sync_handler_still_sleeping(tasks: App, tmp_path: Path) -> None:
+    """A thread cannot be interrupted: its job is released, the worker says the thread still
+    runs, and the CLI exits without waiting for it."""
+    (job_id,) = enqueue(tasks, "sleep", seconds=120)
+    w = WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--grace", "0.5",
+                      log=tmp_path / "w.log")
+    try:
+        wait_until(lambda: exec_counts(tasks.dsn, tasks.schema, "start") == {job_id: 1},
+                   timeout=30, what="started")
+        w.signal(signal.SIGTERM)
+        assert w.wait(30) == 0
+    finally:
+        w.kill()
+    job = tasks.get_job(job_id) or {}
+    assert job["state"] == "available" and job["attempt"] == 0
+    assert "1 sync handler threads are still running" in w.log()
+
+
 def test_job_lease_shorter_than_the_heartbeat_is_raised_to_what_it_can_keep(
         tasks: App, tmp_path: Path) -> None:
     job_id = tasks.enqueue(tasks.tasks["sleep"].configure(lease=0.2).job(seconds=3))

@@ -194,8 +194,9 @@ class Worker:
         once with status 1 (the jobs' leases then expire and the rescuer returns them).
 
         Unlike ``asyncio.run``, it does not wait for handlers that ignored cancellation (their
-        jobs were already released). Its event loop's timers fire on time (see
-        :mod:`skipjack.eventloop`)."""
+        jobs were already released); the interpreter still waits for such sync handlers'
+        threads at exit (a warning says so), unless the process ends with ``os._exit``. Its
+        event loop's timers fire on time (see :mod:`skipjack.eventloop`)."""
         loop = eventloop.new_event_loop()
         try:
             loop.run_until_complete(self._run_with_signals())
@@ -305,6 +306,11 @@ class Worker:
             heartbeat.stop()
             maintenance.stop()
             self._threads.shutdown(wait=False, cancel_futures=True)
+            if self._stuck_threads:
+                log.warning("%d sync handler threads are still running (their jobs were "
+                            "released); Python waits for them before this process exits "
+                            "(os._exit stops at once, as the skipjack CLI does)",
+                            self._stuck_threads)
             if self._apool is not None:
                 await self._apool.close()
             if self._pool is not None:
