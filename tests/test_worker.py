@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 import psycopg.rows
 import pytest
+from psycopg import sql
 
 from skipjack import App, current_job
 from skipjack.maintenance import rescue
@@ -331,6 +332,33 @@ def test_sigterm_with_a_handler_that_does_not_stop(tasks: App, tmp_path: Path, t
     job = tasks.get_job(job_id) or {}
     assert job["state"] == "available" and job["attempt"] == 0
     assert said in w.log()
+
+
+def test_outcomes_the_database_does_not_take_stop_the_claims(tasks: App,
+                                                             tmp_path: Path) -> None:
+    """Another session holds a row lock on a finished job, so the completer's write waits:
+    the worker must stop claiming once 1,000 outcomes wait (not run the whole queue with
+    nothing recorded), and go on when the lock goes."""
+    (locked,) = enqueue(tasks, "sleep", seconds=0.3)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--concurrency", "10",
+                       "--lease", "30", "--heartbeat", "0.5", log=tmp_path / "w.log") as w, \
+            psycopg.connect(tasks.dsn) as holder:
+        wait_until(lambda: locked in exec_counts(tasks.dsn, tasks.schema), timeout=30,
+                   what="the first job started")
+        holder.execute(sql.SQL("SELECT 1 FROM {}.jobs WHERE id = %s FOR UPDATE")
+                       .format(sql.Identifier(tasks.schema)), [locked])
+        wait_until(lambda: locked in exec_counts(tasks.dsn, tasks.schema, "finish"),
+                   timeout=30, what="the first job ended (its outcome now waits on the lock)")
+        rest = enqueue(tasks, "sleep", 3000)
+        wait_until(lambda: "claiming paused" in w.log(), timeout=60, what="claims paused")
+        counts = states(tasks.dsn, tasks.schema)
+        assert counts.get("available", 0) > 0  # the claims stopped before the queue emptied
+        assert counts.get("running", 0) <= 1000 + 10 + 10 + 20  # bound + slots + buffer + claim
+        holder.rollback()
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 3001},
+                   timeout=120, what="every job done")
+        assert "claiming again" in w.log()
+    assert exec_counts(tasks.dsn, tasks.schema) == dict.fromkeys([locked, *rest], 1)
 
 
 def test_job_lease_shorter_than_the_heartbeat_is_raised_to_what_it_can_keep(

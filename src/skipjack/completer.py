@@ -104,12 +104,15 @@ class Completer:
         stats: counters to update.
         more_coming: whether more outcomes are on their way (jobs still running); a small
             batch then waits ``LINGER`` seconds to grow before it is written.
+        on_written: called after each batch is written (the worker may claim again).
     """
 
     def __init__(self, app: App, leases: Leases, stats: WorkerStats,
-                 more_coming: Callable[[], bool] = lambda: False) -> None:
+                 more_coming: Callable[[], bool] = lambda: False,
+                 on_written: Callable[[], None] = lambda: None) -> None:
         self._app = app
         self._more_coming = more_coming
+        self._on_written = on_written
         self._leases = leases
         self._stats = stats
         self._pending: list[Outcome] = []
@@ -180,6 +183,7 @@ class Completer:
                     for o in batch:
                         self._leases.remove(o.id, o.lease_version)
                         self.count(o, applied.get(o.id))
+                    self._on_written()
                 self._flushed.set()
         finally:
             await close_quietly(conn)

@@ -176,6 +176,7 @@ class Worker:
         self._held_due = dict.fromkeys(self._queues, True)
         self._held_busy = 0
         self._stuck_threads = 0
+        self._claims_paused = False  # too many outcomes wait to be written (see _room)
         self._held_runners: set[asyncio.Task[None]] = set()
         self._held_names: list[str] = []
         self._controlled: set[str] = set()
@@ -253,7 +254,8 @@ class Worker:
         self._wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
         self._completer = Completer(self.app, self._leases, self.stats,
-                                    more_coming=lambda: bool(self._running))
+                                    more_coming=lambda: bool(self._running),
+                                    on_written=lambda: self._wakeup.set())
         self._large_args = asyncio.Semaphore(self.large_args_concurrency)
         await self._open_pools()
         if self._stop_requested:
@@ -383,6 +385,13 @@ class Worker:
             self._due[q] = self._held_due[q] = True
         self._wakeup.set()
 
+    def _max_unwritten(self) -> int:
+        """Outcomes waiting to be written past which the worker claims nothing more: ten
+        claims' worth (at least 1,000), far above what piles up while one write runs, so
+        only a stalled completer reaches it. It bounds the finished jobs that a crash during
+        such a stall would run again."""
+        return max(1000, 10 * (self.concurrency + (self.prefetch or 0)))
+
     def _busy(self) -> int:
         """Slots in use: jobs executing now, and threads still running abandoned handlers."""
         return len(self._running) + self._held_busy + self._stuck_threads
@@ -390,7 +399,19 @@ class Worker:
     def _room(self) -> int:
         """How many more jobs the producer should claim now: the free slots plus the
         prefetch buffer's free places, but nothing while the buffer is over half full (so
-        claims come in batches rather than one job per finished job)."""
+        claims come in batches rather than one job per finished job), nor while more
+        outcomes wait to be written than :meth:`_max_unwritten` (the database is not taking
+        them: a row lock held elsewhere, a slow disk)."""
+        unwritten = len(self._completer)
+        if unwritten >= self._max_unwritten():
+            if not self._claims_paused:
+                self._claims_paused = True
+                log.warning("%d outcomes wait to be written; claiming paused until they are",
+                            unwritten)
+            return 0
+        if self._claims_paused:
+            self._claims_paused = False
+            log.info("outcomes written; claiming again")
         prefetch = self.prefetch or 0
         if self._ready and len(self._ready) > prefetch // 2:
             return 0
