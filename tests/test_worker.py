@@ -36,7 +36,7 @@ def tasks(app: App) -> App:
     """The app with the worker processes' task names registered, and the log tables."""
     create_log_tables(app.dsn, app.schema)
     for name in ("sleep", "async_sleep", "cpu", "cpu_async", "fail", "pooled", "nul",
-                 "short_lease", "payload", "stubborn", "misbehave"):
+                 "short_lease", "payload", "stubborn", "misbehave", "held_effect"):
         app.task(name=name)(lambda **kw: None)
     return app
 
@@ -359,6 +359,19 @@ def test_outcomes_the_database_does_not_take_stop_the_claims(tasks: App,
                    timeout=120, what="every job done")
         assert "claiming again" in w.log()
     assert exec_counts(tasks.dsn, tasks.schema) == dict.fromkeys([locked, *rest], 1)
+
+
+def test_a_job_buffered_while_held_claims_fill_the_slots_starts_when_they_end(
+        tasks: App, tmp_path: Path) -> None:
+    """Concurrency 1: a claim-mode job holds the slot while a lease-mode job is claimed into
+    the prefetch buffer; when the held runner ends, the buffered job must start."""
+    (held,) = enqueue(tasks, "held_effect", seconds=1.0)
+    (plain,) = enqueue(tasks, "sleep")
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--concurrency", "1",
+                       "--prefetch", "1", "--poll-interval", "60", log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 2}, timeout=30,
+                   what="both jobs done")
+    assert exec_counts(tasks.dsn, tasks.schema) == {held: 1, plain: 1}
 
 
 def test_job_lease_shorter_than_the_heartbeat_is_raised_to_what_it_can_keep(

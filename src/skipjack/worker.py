@@ -521,6 +521,7 @@ class Worker:
                 self._completer.count(outcome, state)
         finally:
             self._held_busy -= 1
+            self._fill()  # a buffered job may have waited for this slot
             self._wakeup.set()
 
     def _held_once(self, queue: str,
