@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from skipjack import App, DuplicateJobError
-from skipjack.maintenance import rescue, stage
+from skipjack.maintenance import Maintenance, rescue, stage
 from test_claim_fencing import claim, claim_params, expire
 
 from support import WorkerProcess, create_log_tables, exec_counts, query, states, wait_until
@@ -321,6 +321,37 @@ def test_worker_prunes_with_retention(tasks: App, tmp_path: Path) -> None:
                        log=tmp_path / "w.log"):
         wait_until(lambda: states(tasks.dsn, tasks.schema) == {"discarded": 1}, timeout=60,
                    what="succeeded and cancelled pruned, discarded kept longer")
+
+
+def test_a_prune_the_database_refuses_holds_up_no_other_duty(
+        app: App, caplog: pytest.LogCaptureFixture) -> None:
+    """An application row references an old finished job with ON DELETE RESTRICT, so every
+    prune fails. That is the statement's failure, not the connection's: the maintenance
+    thread keeps its connection and the stager goes on, instead of reconnecting and waiting
+    out backoffs that hold up the stager and the rescuer."""
+    query(app.dsn, "INSERT INTO {schema}.jobs (queue, task, state, finished_at, attempt) "
+                   "VALUES ('old', 't', 'succeeded', now() - interval '2 days', 1)",
+          schema=app.schema)
+    query(app.dsn, "CREATE TABLE {schema}.refs (job_id bigint REFERENCES {schema}.jobs (id) "
+                   "ON DELETE RESTRICT)", schema=app.schema)
+    query(app.dsn, "INSERT INTO {schema}.refs SELECT id FROM {schema}.jobs", schema=app.schema)
+    t = app.task(name="t", queue="q")(lambda: None)
+    staged: list[str] = []
+    m = Maintenance(app, stage_interval=0.1, rescue_interval=0.1, retention=3600.0,
+                    discarded_retention=None, on_staged=staged.append)
+    m.start()
+    try:
+        wait_until(lambda: caplog.text.count("pruner:") >= 1, timeout=60, what="a prune")
+        conn = m._conn
+        t.configure(delay=0.2).enqueue()
+        wait_until(lambda: "q" in staged, timeout=30, what="the delayed job staged")
+        wait_until(lambda: caplog.text.count("pruner:") >= 2, timeout=60, what="a 2nd prune")
+        assert m._conn is conn and conn is not None and not conn.closed
+    finally:
+        m.stop()
+        m.join(30)
+    assert "foreign key constraint" in caplog.text
+    assert states(app.dsn, app.schema) == {"succeeded": 1, "available": 1}
 
 
 # --- regressions ----------------------------------------------------------------------------

@@ -102,17 +102,17 @@ class Heartbeat(threading.Thread):
         self._interval = interval
         self._on_lost = on_lost
         self._on_cancel = on_cancel
-        self._stop = threading.Event()
+        self._stop_event = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
         self._reconnect = ReconnectBackoff()
         self._cancelled: set[tuple[int, int]] = set()
 
     def stop(self) -> None:
         """Ask the thread to end after its current step."""
-        self._stop.set()
+        self._stop_event.set()
 
     def run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop_event.wait(self._interval):
             try:
                 self._beat()
                 self._reconnect.reset()
@@ -122,7 +122,7 @@ class Heartbeat(threading.Thread):
                     self._conn = None
                 log.warning("heartbeat: %s (retrying in %.1fs)", str(exc).strip(),
                             self._reconnect.peek())
-                self._stop.wait(self._reconnect.next())
+                self._stop_event.wait(self._reconnect.next())
             except Exception:  # never let the renewals stop
                 log.exception("heartbeat failed; retrying")
             finally:

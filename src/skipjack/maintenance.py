@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from .completer import connection_lost
 from .cron import schedule_due
 from .migrate import channel_name
 from .queries import Queries
@@ -143,7 +144,7 @@ class Maintenance(threading.Thread):
                  on_staged: Callable[[str], None]) -> None:
         super().__init__(name="skipjack-maintenance", daemon=True)
         self._app = app
-        self._stop = threading.Event()
+        self._stop_event = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
         q = app.queries
         self._duties = [
@@ -161,14 +162,14 @@ class Maintenance(threading.Thread):
 
     def stop(self) -> None:
         """Ask the thread to end after its current step."""
-        self._stop.set()
+        self._stop_event.set()
 
     def run(self) -> None:
         backoff = ReconnectBackoff()
         tick = min(d.interval for d in self._duties)
-        while not self._stop.wait(tick):
+        while not self._stop_event.wait(tick):
             for duty in self._duties:
-                if time.monotonic() < duty.next_at or self._stop.is_set():
+                if time.monotonic() < duty.next_at or self._stop_event.is_set():
                     continue
                 try:
                     if self._conn is None or self._conn.closed:
@@ -176,13 +177,21 @@ class Maintenance(threading.Thread):
                     duty.run(self._conn)
                     backoff.reset()
                 except psycopg.Error as exc:
-                    if self._conn is not None:
-                        self._conn.close()
-                        self._conn = None
-                    log.warning("%s: %s (retrying in %.1fs)", duty.name, str(exc).strip(),
-                                backoff.peek())
-                    self._stop.wait(backoff.next())
-                    continue  # the other duties still get their turn
+                    if self._conn is not None and not self._conn.broken \
+                            and not connection_lost(exc):
+                        # the database refused the statement (e.g. a foreign key of the
+                        # application's blocks a prune): the connection is fine, and the
+                        # other duties must not wait for this one
+                        log.warning("%s: %s (it runs again at its next interval)",
+                                    duty.name, str(exc).strip())
+                    else:
+                        if self._conn is not None:
+                            self._conn.close()
+                            self._conn = None
+                        log.warning("%s: %s (retrying in %.1fs)", duty.name,
+                                    str(exc).strip(), backoff.peek())
+                        self._stop_event.wait(backoff.next())
+                        continue  # the other duties still get their turn
                 except Exception:  # a bug in one duty must not stop the others
                     log.exception("%s failed; it runs again at its next interval", duty.name)
                 duty.next_at = time.monotonic() + duty.interval * random.uniform(0.8, 1.2)
