@@ -529,20 +529,25 @@ def _as_specs(jobs: Iterable[JobSpec]) -> list[JobSpec]:
     return specs
 
 
+def _iso(values: list[Any]) -> list[Any]:
+    return [None if v is None else v.isoformat() for v in values]
+
+
 # The columns of a bulk enqueue besides args: (JobSpec attribute, statement parameter,
-# array literal of a list of values). run_at goes as ISO 8601 text: datetimes equal in Python
-# may still differ in their offset (the two 02:30 of a night when the clocks go back compare
-# equal), and the text keeps them apart.
-_BULK_COLUMNS: tuple[tuple[str, str, Callable[[list[Any]], str]], ...] = (
-    ("queue", "queue", text_array),
-    ("task", "task", text_array),
-    ("priority", "priority", number_array),
-    ("max_attempts", "max_attempts", number_array),
-    ("run_at", "run_at", text_array),
-    ("delay", "delay", number_array),
-    ("idempotency_key", "idempotency_key", text_array),
-    ("lease", "lease_seconds", number_array),
-    ("unique_states", "unique_states", number_array),
+# array literal of a list of values, conversion of the values first). run_at goes as ISO 8601
+# text: datetimes equal in Python may still differ in their offset (the two 02:30 of a night
+# when the clocks go back compare equal), and the text keeps them apart.
+_BULK_COLUMNS: tuple[tuple[str, str, Callable[[list[Any]], str],
+                           Callable[[list[Any]], list[Any]] | None], ...] = (
+    ("queue", "queue", text_array, None),
+    ("task", "task", text_array, None),
+    ("priority", "priority", number_array, None),
+    ("max_attempts", "max_attempts", number_array, None),
+    ("run_at", "run_at", text_array, _iso),
+    ("delay", "delay", number_array, None),
+    ("idempotency_key", "idempotency_key", text_array, None),
+    ("lease", "lease_seconds", number_array, None),
+    ("unique_states", "unique_states", number_array, None),
 )
 
 
@@ -560,10 +565,10 @@ def _enqueue_statement(q: Queries, specs: list[JobSpec]) -> tuple[bytes, dict[st
             "idempotency_key": s.idempotency_key, "lease_seconds": s.lease,
             "unique_states": s.unique_states}
     params: dict[str, Any] = {"args": text_array([s.args_json for s in specs])}
-    for attr, name, array in _BULK_COLUMNS:
+    for attr, name, array, convert in _BULK_COLUMNS:
         values = list(map(attrgetter(attr), specs))
-        if attr == "run_at":
-            values = [None if v is None else v.isoformat() for v in values]
+        if convert is not None:
+            values = convert(values)
         if values.count(values[0]) == len(values):
             params[name], params["same_" + name] = None, values[0]
         else:

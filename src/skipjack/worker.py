@@ -255,7 +255,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._completer = Completer(self.app, self._leases, self.stats,
                                     more_coming=lambda: bool(self._running),
-                                    on_written=lambda: self._wakeup.set())
+                                    on_written=self._wakeup.set)
         self._large_args = asyncio.Semaphore(self.large_args_concurrency)
         await self._open_pools()
         if self._stop_requested:
