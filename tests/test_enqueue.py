@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
 import psycopg
+import pytest
+from psycopg.pq import TransactionStatus
 
-from skipjack import App
+import skipjack.app
+from skipjack import App, ValidationError
 from skipjack.migrate import channel_name
 
 from support import query, wait_until
@@ -99,16 +104,107 @@ def test_async_enqueue_on_callers_transaction(app: App) -> None:
     assert len(_ids(app)) == 3
 
 
-def test_bulk_enqueue_10000_in_one_round_trip(app: App) -> None:
+def test_bulk_enqueue_10000_in_ten_pipelined_statements(app: App) -> None:
     t = _task(app)
     specs = [t.job(n=i) for i in range(10_000)]
     CountingCursor.executed = 0
     with psycopg.connect(app.dsn, cursor_factory=CountingCursor, autocommit=True) as conn:
         ids = app.enqueue_many(specs, conn=conn)
-    assert CountingCursor.executed == 1
+    assert CountingCursor.executed == 10  # CHUNK_JOBS = 1,000 a statement
     assert len(ids) == len(set(ids)) == 10_000 and ids == sorted(ids)
     rows = query(app.dsn, "SELECT id, (args->>'n')::int FROM {schema}.jobs", schema=app.schema)
     assert {job_id: n for job_id, n in rows} == {job_id: n for n, job_id in enumerate(ids)}
+
+
+def test_bulk_enqueue_cuts_statements_by_size_too(app: App, monkeypatch: Any) -> None:
+    monkeypatch.setattr(skipjack.app, "CHUNK_MAX_CHARS", 1_000)
+    t = _task(app)
+    specs = [t.job(s="x" * 400) for _ in range(5)] + [t.job(s="y" * 5_000), t.job(n=1)]
+    CountingCursor.executed = 0
+    with psycopg.connect(app.dsn, cursor_factory=CountingCursor, autocommit=True) as conn:
+        ids = app.enqueue_many(specs, conn=conn)
+    assert CountingCursor.executed == 5  # 2 + 2 + 1 of 400, the large one alone, the last
+    rows = dict(query(app.dsn, "SELECT id, args->>'s' FROM {schema}.jobs", schema=app.schema))
+    assert [rows[i] for i in ids] == ["x" * 400] * 5 + ["y" * 5_000, None]
+
+
+def test_bulk_enqueue_from_a_generator_keeps_order_and_keys_across_statements(app: App) -> None:
+    t = _task(app)
+    held = t.configure(idempotency_key="held").enqueue(n=-1)
+    keys = {10: "a", 1_500: "a", 2_400: "held"}  # "a" in two statements; "held" exists
+
+    def specs() -> Iterator[Any]:
+        for i in range(2_500):
+            yield (t.configure(idempotency_key=keys[i]) if i in keys else t).job(n=i)
+
+    ids = app.enqueue_many(specs())
+    assert len(ids) == 2_500 and ids[1_500] == ids[10] and ids[2_400] == held
+    rows = dict(query(app.dsn, "SELECT id, (args->>'n')::int FROM {schema}.jobs",
+                      schema=app.schema))
+    assert len(rows) == 2_499  # 2,498 new and the held one
+    assert all(rows[job_id] == n for n, job_id in enumerate(ids) if n not in (1_500, 2_400))
+    unkeyed = [job_id for n, job_id in enumerate(ids) if n not in keys]
+    assert unkeyed == sorted(unkeyed)
+
+
+def _then(t: Any, n: int, last: Any) -> Iterator[Any]:
+    """n good specs, then ``last``: an item, or a callable that raises."""
+    for i in range(n):
+        yield t.job(n=i)
+    yield last() if callable(last) else last
+
+
+def test_bulk_enqueue_that_fails_after_its_first_statement_writes_nothing(app: App) -> None:
+    t = _task(app)
+    kept = t.enqueue(keep=1)
+    with pytest.raises(ValidationError, match=r"jobs\[1500\]"):
+        app.enqueue_many(_then(t, 1_500, {"n": 0}))
+    with pytest.raises(ValidationError, match="NaN"):
+        app.enqueue_many(_then(t, 2_500, lambda: t.job(n=math.nan)))
+    query(app.dsn, "ALTER TABLE {schema}.jobs ADD CONSTRAINT low CHECK (priority < 50)",
+          schema=app.schema)
+    with pytest.raises(psycopg.errors.CheckViolation):  # the database refuses statement 2
+        app.enqueue_many(_then(t, 1_500, t.configure(priority=60).job()))
+    assert _ids(app) == [kept]
+    assert len(app.enqueue_many(t.job(n=i) for i in range(1_500))) == 1_500  # pool still fine
+
+
+def test_bulk_enqueue_of_several_statements_joins_the_callers_transaction(app: App) -> None:
+    t = _task(app)
+    with psycopg.connect(app.dsn) as conn:  # not autocommit, no transaction open yet
+        app.enqueue_many((t.job(n=i) for i in range(1_500)), conn=conn)
+        assert conn.info.transaction_status == TransactionStatus.INTRANS
+        assert _ids(app) == []
+        conn.rollback()
+    assert _ids(app) == []
+    with psycopg.connect(app.dsn) as conn:
+        kept = app.enqueue(t.job(n=-1), conn=conn)
+        with pytest.raises(ValidationError):
+            app.enqueue_many(_then(t, 1_500, {"n": 0}), conn=conn)
+        conn.commit()  # the caller's transaction is intact: only this call's jobs are gone
+    assert _ids(app) == [kept]
+    with psycopg.connect(app.dsn, autocommit=True) as conn:
+        ids = app.enqueue_many((t.job(n=i) for i in range(1_500)), conn=conn)
+        assert conn.info.transaction_status == TransactionStatus.IDLE
+    assert _ids(app) == [kept, *ids]
+
+
+def test_async_bulk_enqueue_of_several_statements(app: App) -> None:
+    t = _task(app)
+
+    async def main() -> tuple[list[int], list[int]]:
+        async with await psycopg.AsyncConnection.connect(app.dsn) as conn:
+            ids = await app.enqueue_many_async((t.job(n=i) for i in range(2_500)), conn=conn)
+            assert _ids(app) == []
+            await conn.commit()
+        with pytest.raises(ValidationError):
+            await app.enqueue_many_async(_then(t, 1_500, {"n": 0}))
+        own = await app.enqueue_many_async(t.job(n=i) for i in range(1_200))
+        await app.close_async()
+        return ids, own
+
+    ids, own = asyncio.run(main())
+    assert ids == sorted(ids) and _ids(app) == [*ids, *own]
 
 
 def test_idempotency_key_returns_existing_job(app: App) -> None:

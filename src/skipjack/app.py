@@ -8,13 +8,15 @@ import inspect
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from itertools import chain
 from operator import attrgetter
 from typing import Any, overload
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
@@ -424,10 +426,14 @@ class App(Control):
     def enqueue_many(
         self, jobs: Iterable[JobSpec], *, conn: psycopg.Connection[Any] | None = None
     ) -> list[int]:
-        """Enqueue jobs in one statement (one round trip, whatever their number).
+        """Enqueue jobs in one transaction: one statement for up to 1,000 of them; more are
+        written 1,000 to a statement (:data:`CHUNK_JOBS`), each sent while the next chunk is
+        taken from ``jobs`` (psycopg pipeline mode), so a generator's work overlaps the
+        server's.
 
         Args:
-            jobs: specs from :meth:`Task.job`.
+            jobs: specs from :meth:`Task.job`, any iterable (a generator is consumed once, as
+                the jobs are written).
             conn: the caller's connection. The jobs then belong to the caller's transaction
                 (and savepoints): workers see them, and are woken, only at commit, and a
                 rollback removes them. Without it, the app's own connection commits at once.
@@ -437,34 +443,54 @@ class App(Control):
             existing job's id.
 
         Raises:
+            ValidationError: an item is not a JobSpec (or ``jobs`` itself raises it, e.g.
+                from :meth:`Task.job`); nothing of this call is written, whichever item it is.
             DuplicateJobError: a key is held by a job this caller's snapshot cannot see.
             psycopg.Error: the database refused or could not be reached; nothing was written.
         """
-        specs = _as_specs(jobs)
-        if not specs:
+        chunks = _chunks(jobs)
+        first = next(chunks, None)  # checked before taking a connection
+        if first is None:
             return []
-        first = _enqueue_statement(self.queries, specs)  # built before taking a connection
         if conn is None:
             with self._sync_pool().connection() as own:
-                return self._enqueue_on(own, specs, first)
-        return self._enqueue_on(conn, specs, first)
+                return self._enqueue_on(own, first, chunks)
+        return self._enqueue_on(conn, first, chunks)
 
-    def _enqueue_on(
-        self, conn: psycopg.Connection[Any], specs: list[JobSpec],
-        first: tuple[bytes, dict[str, Any]],
-    ) -> list[int]:
+    def _enqueue_on(self, conn: psycopg.Connection[Any], first: _Chunk,
+                    chunks: Iterator[_Chunk]) -> list[int]:
         q = self.queries
-        with conn.cursor(row_factory=tuple_row) as cur:  # whatever the caller's row factory
-            rows = cur.execute(*first).fetchall()
-            existing: list[tuple[int, str]] = []
-            for _ in range(_KEY_ROUNDS):
-                missing = _missing_keys(specs, rows + existing)
-                if not missing:
-                    break
-                existing += cur.execute(q.EXISTING_KEYS, {"keys": missing}).fetchall()
-                again = _specs_to_retry(specs, rows + existing)
-                if again:
-                    rows += cur.execute(*_enqueue_statement(q, again)).fetchall()
+        specs, more = first
+        if not more:
+            with conn.cursor(row_factory=tuple_row) as cur:  # whatever the caller's row factory
+                rows = cur.execute(*_enqueue_statement(q, specs)).fetchall()
+                return self._resolve_keys(cur, specs, rows)
+        if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+            conn.execute(q.OPEN_TRANSACTION)  # transaction() would begin and commit its own
+        with conn.transaction():  # a savepoint in the caller's transaction, else BEGIN/COMMIT
+            cursors = []
+            with conn.pipeline():
+                for chunk, _ in chain([first], chunks):
+                    if chunk is not specs:
+                        specs += chunk
+                    cursors.append(cur := conn.cursor(row_factory=tuple_row))
+                    cur.execute(*_enqueue_statement(q, chunk))
+            rows = [row for cur in cursors for row in cur.fetchall()]
+            with conn.cursor(row_factory=tuple_row) as cur:
+                return self._resolve_keys(cur, specs, rows)
+
+    def _resolve_keys(self, cur: psycopg.Cursor[tuple[Any, ...]], specs: list[JobSpec],
+                      rows: list[tuple[int, str | None]]) -> list[int]:
+        """The ids in input order, reading the ids of keys already held (see _KEY_ROUNDS)."""
+        q = self.queries
+        existing: list[tuple[int, str]] = []
+        for _ in range(_KEY_ROUNDS):
+            missing = _missing_keys(specs, [*rows, *existing])
+            if not missing:
+                break
+            existing += cur.execute(q.EXISTING_KEYS, {"keys": missing}).fetchall()
+            for chunk, _ in _chunks(_specs_to_retry(specs, [*rows, *existing])):
+                rows += cur.execute(*_enqueue_statement(q, chunk)).fetchall()
         return _assign_ids(specs, rows, existing)
 
     async def enqueue_async(
@@ -477,56 +503,83 @@ class App(Control):
         self, jobs: Iterable[JobSpec], *, conn: psycopg.AsyncConnection[Any] | None = None
     ) -> list[int]:
         """Async :meth:`enqueue_many`; ``conn`` is the caller's async connection."""
-        specs = _as_specs(jobs)
-        if not specs:
+        chunks = _chunks(jobs)
+        first = next(chunks, None)
+        if first is None:
             return []
-        first = _enqueue_statement(self.queries, specs)
         if conn is None:
             async with (await self._async_pool()).connection() as own:
-                return await self._enqueue_on_async(own, specs, first)
-        return await self._enqueue_on_async(conn, specs, first)
+                return await self._enqueue_on_async(own, first, chunks)
+        return await self._enqueue_on_async(conn, first, chunks)
 
-    async def _enqueue_on_async(
-        self,
-        conn: psycopg.AsyncConnection[Any],
-        specs: list[JobSpec],
-        first: tuple[bytes, dict[str, Any]],
-    ) -> list[int]:
+    async def _enqueue_on_async(self, conn: psycopg.AsyncConnection[Any], first: _Chunk,
+                                chunks: Iterator[_Chunk]) -> list[int]:
         q = self.queries
-        async with conn.cursor(row_factory=tuple_row) as cur:
-            rows = await (await cur.execute(*first)).fetchall()
-            existing: list[tuple[int, str]] = []
-            for _ in range(_KEY_ROUNDS):
-                missing = _missing_keys(specs, rows + existing)
-                if not missing:
-                    break
-                existing += await (await cur.execute(q.EXISTING_KEYS,
-                                                     {"keys": missing})).fetchall()
-                again = _specs_to_retry(specs, rows + existing)
-                if again:
-                    rows += await (await cur.execute(*_enqueue_statement(q, again))).fetchall()
+        specs, more = first
+        if not more:
+            async with conn.cursor(row_factory=tuple_row) as cur:
+                rows = await (await cur.execute(*_enqueue_statement(q, specs))).fetchall()
+                return await self._resolve_keys_async(cur, specs, rows)
+        if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+            await conn.execute(q.OPEN_TRANSACTION)
+        async with conn.transaction():
+            cursors = []
+            async with conn.pipeline():
+                for chunk, _ in chain([first], chunks):
+                    if chunk is not specs:
+                        specs += chunk
+                    cursors.append(cur := conn.cursor(row_factory=tuple_row))
+                    await cur.execute(*_enqueue_statement(q, chunk))
+            rows = [row for cur in cursors for row in await cur.fetchall()]
+            async with conn.cursor(row_factory=tuple_row) as cur:
+                return await self._resolve_keys_async(cur, specs, rows)
+
+    async def _resolve_keys_async(self, cur: psycopg.AsyncCursor[tuple[Any, ...]],
+                                  specs: list[JobSpec],
+                                  rows: list[tuple[int, str | None]]) -> list[int]:
+        q = self.queries
+        existing: list[tuple[int, str]] = []
+        for _ in range(_KEY_ROUNDS):
+            missing = _missing_keys(specs, [*rows, *existing])
+            if not missing:
+                break
+            existing += await (await cur.execute(q.EXISTING_KEYS, {"keys": missing})).fetchall()
+            for chunk, _ in _chunks(_specs_to_retry(specs, [*rows, *existing])):
+                rows += await (await cur.execute(*_enqueue_statement(q, chunk))).fetchall()
         return _assign_ids(specs, rows, existing)
 
 
-ENQUEUE_MAX_BYTES = 512 * 1024 * 1024
 CRON_NAME_MAX_BYTES = 224
 
+# A bulk enqueue writes at most this many jobs, or this many characters of args, per
+# statement (a statement must stay well under PostgreSQL's 1 GiB message limit; a larger job,
+# up to max_args_bytes, is a statement of its own). 10,000 jobs from a generator: 1,000 per
+# statement took 61 ms, 500 66 ms, 2,000 74 ms, one statement after the whole list 95-101 ms
+# (docs/performance.md).
+CHUNK_JOBS = 1000
+CHUNK_MAX_CHARS = 32 * 1024 * 1024
 
-def _as_specs(jobs: Iterable[JobSpec]) -> list[JobSpec]:
-    """The specs as a list; refuses anything else, and calls over 512 MiB of args in total
-    (one statement must stay well under PostgreSQL's 1 GiB message limit)."""
-    specs = list(jobs)
-    total = 0
-    for i, spec in enumerate(specs):
+_Chunk = tuple[list[JobSpec], bool]
+
+
+def _chunks(jobs: Iterable[JobSpec]) -> Iterator[_Chunk]:
+    """The specs in chunks of at most CHUNK_JOBS jobs and CHUNK_MAX_CHARS characters of args,
+    each with whether another follows; refuses an item that is not a JobSpec."""
+    chunk: list[JobSpec] = []
+    chars = 0
+    for i, spec in enumerate(jobs):
         if not isinstance(spec, JobSpec):
             raise ValidationError(
                 f"jobs[{i}]", f"must be a JobSpec (from Task.job()), got {type(spec).__name__}"
             )
-        total += len(spec.args_json)
-    if total > ENQUEUE_MAX_BYTES:
-        raise ValidationError("jobs", f"{total} characters of args in one call, the limit is "
-                              f"{ENQUEUE_MAX_BYTES}: enqueue in smaller batches")
-    return specs
+        size = len(spec.args_json)
+        if chunk and (len(chunk) == CHUNK_JOBS or chars + size > CHUNK_MAX_CHARS):
+            yield chunk, True
+            chunk, chars = [], 0
+        chunk.append(spec)
+        chars += size
+    if chunk:
+        yield chunk, False
 
 
 def _iso(values: list[Any]) -> list[Any]:

@@ -8,13 +8,13 @@ from typing import Any
 
 from .common import Settings, drain_span, fresh_app, payload, rate, repeat, wait_for
 from .tasks import register
-from .worker_run import StateCounter, WorkerProcesses, drain_with_worker, enqueue_bulk
+from .worker_run import StateCounter, WorkerProcesses, drain_with_worker
 
 
 def _drain_once(settings: Settings, jobs: int, concurrency: int) -> dict[str, Any]:
     with fresh_app(settings.dsn, "w2") as app:
         noop = register(app)["noop"]
-        enqueue_bulk(app, [noop.job(i=i) for i in range(jobs)])
+        app.enqueue_many(noop.job(i=i) for i in range(jobs))
         drain_with_worker(app, jobs, concurrency=concurrency, timeout=60 + jobs / 200)
         done, span = drain_span(app)
     return {"jobs_per_s": rate(done, span), "seconds": round(span or 0, 3)}
@@ -46,14 +46,14 @@ def _articles_once(settings: Settings, jobs: int, processes: int) -> dict[str, A
     with fresh_app(settings.dsn, "w4") as app:
         sleep = register(app)["sleep"]
         if processes == 1:
-            enqueue_bulk(app, [sleep.job(seconds=0.002) for _ in range(jobs)])
+            app.enqueue_many(sleep.job(seconds=0.002) for _ in range(jobs))
             drain_with_worker(app, jobs, concurrency=8, timeout=60 + jobs / 50)
         else:
             workers = WorkerProcesses(app, processes, "--concurrency", "1")
             counter = StateCounter(app)
             try:
                 workers.wait_listening()
-                enqueue_bulk(app, [sleep.job(seconds=0.002) for _ in range(jobs)])
+                app.enqueue_many(sleep.job(seconds=0.002) for _ in range(jobs))
                 wait_for(lambda: counter() >= jobs, 60 + jobs / 50, what="W4 jobs")
             finally:
                 counter.close()
@@ -86,7 +86,7 @@ def memory(settings: Settings) -> dict[str, Any]:
         try:
             workers.wait_listening()
             idle = _rss_kib(proc.pid, "VmRSS")
-            enqueue_bulk(app, [noop.job(data=data) for _ in range(jobs)], chunk=2000)
+            app.enqueue_many(noop.job(data=data) for _ in range(jobs))
             started = time.monotonic()
             wait_for(lambda: counter() >= jobs, 60 + jobs / 100, what="memory-test jobs")
             elapsed = time.monotonic() - started

@@ -17,7 +17,7 @@ from psycopg import sql
 from ..app import App
 from ..retry import Backoff
 from .common import QUEUE, Settings, connect, fresh_app
-from .worker_run import enqueue_bulk, run_worker
+from .worker_run import run_worker
 
 CASES: dict[str, tuple[Backoff, int]] = {
     "fixed_60s": (Backoff(base=60.0, cap=60.0, jitter=False), 1),
@@ -32,7 +32,7 @@ def _case(settings: Settings, backoff: Backoff, attempt: int, jobs: int) -> dict
         async def fail() -> None:
             raise RuntimeError("the downstream service is down")
 
-        enqueue_bulk(app, [fail.job() for _ in range(jobs)])
+        app.enqueue_many(fail.job() for _ in range(jobs))
         table = sql.Identifier(app.schema, "jobs")
         with connect(app.dsn) as conn:
             conn.execute(sql.SQL("UPDATE {} SET attempt = %s").format(table), [attempt - 1])

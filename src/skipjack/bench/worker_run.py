@@ -9,23 +9,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from psycopg import sql
 
 from .. import eventloop
 from ..app import App
-from ..jobs import JobSpec
 from ..migrate import channel_name
 from ..worker import Worker
 from .common import QUEUE, connect, wait_for
-
-
-def enqueue_bulk(app: App, specs: Sequence[JobSpec], chunk: int = 10_000) -> None:
-    """Enqueue ``specs`` in statements of ``chunk`` jobs (setup, not measured)."""
-    for i in range(0, len(specs), chunk):
-        app.enqueue_many(specs[i:i + chunk])
 
 
 class StateCounter:
