@@ -104,7 +104,7 @@ def test_async_enqueue_on_callers_transaction(app: App) -> None:
     assert len(_ids(app)) == 3
 
 
-def test_bulk_enqueue_10000_in_ten_pipelined_statements(app: App) -> None:
+def test_bulk_enqueue_10000_in_ten_statements(app: App) -> None:
     t = _task(app)
     specs = [t.job(n=i) for i in range(10_000)]
     CountingCursor.executed = 0
@@ -187,6 +187,34 @@ def test_bulk_enqueue_of_several_statements_joins_the_callers_transaction(app: A
         ids = app.enqueue_many((t.job(n=i) for i in range(1_500)), conn=conn)
         assert conn.info.transaction_status == TransactionStatus.IDLE
     assert _ids(app) == [kept, *ids]
+
+
+def test_bulk_enqueue_reads_an_iterable_over_the_callers_connection_before_writing(
+        app: App) -> None:
+    t = _task(app)
+    with psycopg.connect(app.dsn) as conn:
+        streamed = conn.cursor().stream("SELECT g FROM generate_series(1, 2500) AS g")
+        ids = app.enqueue_many((t.job(n=n) for (n,) in streamed), conn=conn)
+        named = conn.cursor("source")  # fetches 100 rows at a time from the server
+        named.execute("SELECT g FROM generate_series(1, 2500) AS g")
+        ids += app.enqueue_many((t.job(n=n) for (n,) in named), conn=conn)
+        conn.commit()
+    assert _ids(app) == ids and len(ids) == 5_000
+
+
+def test_bulk_enqueue_refused_in_the_callers_transaction_fails_it_whatever_its_size(
+        app: App) -> None:
+    t = _task(app)
+    query(app.dsn, "ALTER TABLE {schema}.jobs ADD CONSTRAINT low CHECK (priority < 50)",
+          schema=app.schema)
+    for n in (999, 1_500):
+        with psycopg.connect(app.dsn) as conn:
+            app.enqueue(t.job(n=-1), conn=conn)
+            with pytest.raises(psycopg.errors.CheckViolation):
+                app.enqueue_many(_then(t, n, t.configure(priority=60).job()), conn=conn)
+            assert conn.info.transaction_status == TransactionStatus.INERROR
+            conn.rollback()
+    assert _ids(app) == []
 
 
 def test_async_bulk_enqueue_of_several_statements(app: App) -> None:

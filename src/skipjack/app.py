@@ -9,6 +9,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from itertools import chain
@@ -426,14 +427,18 @@ class App(Control):
     def enqueue_many(
         self, jobs: Iterable[JobSpec], *, conn: psycopg.Connection[Any] | None = None
     ) -> list[int]:
-        """Enqueue jobs in one transaction: one statement for up to 1,000 of them; more are
-        written 1,000 to a statement (:data:`CHUNK_JOBS`), each sent while the next chunk is
-        taken from ``jobs`` (psycopg pipeline mode), so a generator's work overlaps the
-        server's.
+        """Enqueue jobs atomically: one statement for up to 1,000 of them; more are written
+        1,000 to a statement (:data:`CHUNK_JOBS`) in one transaction, each sent without
+        waiting for the previous one's result (psycopg pipeline mode).
 
         Args:
-            jobs: specs from :meth:`Task.job`, any iterable (a generator is consumed once, as
-                the jobs are written).
+            jobs: specs from :meth:`Task.job`, any iterable. Without ``conn`` it is read as the
+                jobs are written, while this call's transaction is open on one of the app's
+                connections, so a generator's work overlaps the server's; such a generator
+                must not be slow (the transaction stays open while it runs), nor enqueue an
+                idempotency key it yielded before (that enqueue would wait for this call to
+                commit, forever). With ``conn`` it is read in full first (it may read from
+                that connection).
             conn: the caller's connection. The jobs then belong to the caller's transaction
                 (and savepoints): workers see them, and are woken, only at commit, and a
                 rollback removes them. Without it, the app's own connection commits at once.
@@ -446,38 +451,38 @@ class App(Control):
             ValidationError: an item is not a JobSpec (or ``jobs`` itself raises it, e.g.
                 from :meth:`Task.job`); nothing of this call is written, whichever item it is.
             DuplicateJobError: a key is held by a job this caller's snapshot cannot see.
-            psycopg.Error: the database refused or could not be reached; nothing was written.
+            psycopg.Error: the database refused or could not be reached; nothing of this call
+                was written (a transaction of the caller's is then failed, as after any
+                refused statement: roll it back).
         """
         chunks = _chunks(jobs)
+        if conn is not None:
+            chunks = iter(list(chunks))
         first = next(chunks, None)  # checked before taking a connection
         if first is None:
             return []
         if conn is None:
             with self._sync_pool().connection() as own:
-                return self._enqueue_on(own, first, chunks)
-        return self._enqueue_on(conn, first, chunks)
+                return self._enqueue_on(own, first, chunks, pipelined=True)
+        return self._enqueue_on(conn, first, chunks, pipelined=False)
 
     def _enqueue_on(self, conn: psycopg.Connection[Any], first: _Chunk,
-                    chunks: Iterator[_Chunk]) -> list[int]:
-        q = self.queries
+                    chunks: Iterator[_Chunk], *, pipelined: bool) -> list[int]:
+        """Write the chunks (specs, whether more follow): on the app's own connection in
+        pipeline mode; on a caller's one statement after the other (pipeline mode there would
+        be the caller's to choose, and psycopg refuses it after a ``stream()``)."""
         specs, more = first
-        if not more:
-            with conn.cursor(row_factory=tuple_row) as cur:  # whatever the caller's row factory
-                rows = cur.execute(*_enqueue_statement(q, specs)).fetchall()
-                return self._resolve_keys(cur, specs, rows)
-        if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-            conn.execute(q.OPEN_TRANSACTION)  # transaction() would begin and commit its own
-        with conn.transaction():  # a savepoint in the caller's transaction, else BEGIN/COMMIT
-            cursors = []
-            with conn.pipeline():
+        # tuple rows, whatever the row factory of the caller's connection
+        with _atomic(conn, more), conn.cursor(row_factory=tuple_row) as cur:
+            cursors: list[psycopg.Cursor[tuple[Any, ...]]] = []
+            with conn.pipeline() if pipelined and more else nullcontext():
                 for chunk, _ in chain([first], chunks):
                     if chunk is not specs:
                         specs += chunk
-                    cursors.append(cur := conn.cursor(row_factory=tuple_row))
-                    cur.execute(*_enqueue_statement(q, chunk))
-            rows = [row for cur in cursors for row in cur.fetchall()]
-            with conn.cursor(row_factory=tuple_row) as cur:
-                return self._resolve_keys(cur, specs, rows)
+                    cursors.append(sent := conn.cursor(row_factory=tuple_row) if cursors else cur)
+                    sent.execute(*_enqueue_statement(self.queries, chunk))
+            rows = [row for sent in cursors for row in sent.fetchall()]
+            return self._resolve_keys(cur, specs, rows)
 
     def _resolve_keys(self, cur: psycopg.Cursor[tuple[Any, ...]], specs: list[JobSpec],
                       rows: list[tuple[int, str | None]]) -> list[int]:
@@ -504,35 +509,29 @@ class App(Control):
     ) -> list[int]:
         """Async :meth:`enqueue_many`; ``conn`` is the caller's async connection."""
         chunks = _chunks(jobs)
+        if conn is not None:
+            chunks = iter(list(chunks))
         first = next(chunks, None)
         if first is None:
             return []
         if conn is None:
             async with (await self._async_pool()).connection() as own:
-                return await self._enqueue_on_async(own, first, chunks)
-        return await self._enqueue_on_async(conn, first, chunks)
+                return await self._enqueue_on_async(own, first, chunks, pipelined=True)
+        return await self._enqueue_on_async(conn, first, chunks, pipelined=False)
 
     async def _enqueue_on_async(self, conn: psycopg.AsyncConnection[Any], first: _Chunk,
-                                chunks: Iterator[_Chunk]) -> list[int]:
-        q = self.queries
+                                chunks: Iterator[_Chunk], *, pipelined: bool) -> list[int]:
         specs, more = first
-        if not more:
-            async with conn.cursor(row_factory=tuple_row) as cur:
-                rows = await (await cur.execute(*_enqueue_statement(q, specs))).fetchall()
-                return await self._resolve_keys_async(cur, specs, rows)
-        if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-            await conn.execute(q.OPEN_TRANSACTION)
-        async with conn.transaction():
-            cursors = []
-            async with conn.pipeline():
+        async with _atomic_async(conn, more), conn.cursor(row_factory=tuple_row) as cur:
+            cursors: list[psycopg.AsyncCursor[tuple[Any, ...]]] = []
+            async with conn.pipeline() if pipelined and more else nullcontext():
                 for chunk, _ in chain([first], chunks):
                     if chunk is not specs:
                         specs += chunk
-                    cursors.append(cur := conn.cursor(row_factory=tuple_row))
-                    await cur.execute(*_enqueue_statement(q, chunk))
-            rows = [row for cur in cursors for row in await cur.fetchall()]
-            async with conn.cursor(row_factory=tuple_row) as cur:
-                return await self._resolve_keys_async(cur, specs, rows)
+                    cursors.append(sent := conn.cursor(row_factory=tuple_row) if cursors else cur)
+                    await sent.execute(*_enqueue_statement(self.queries, chunk))
+            rows = [row for sent in cursors for row in await sent.fetchall()]
+            return await self._resolve_keys_async(cur, specs, rows)
 
     async def _resolve_keys_async(self, cur: psycopg.AsyncCursor[tuple[Any, ...]],
                                   specs: list[JobSpec],
@@ -627,6 +626,24 @@ def _enqueue_statement(q: Queries, specs: list[JobSpec]) -> tuple[bytes, dict[st
         else:
             params[name], params["same_" + name] = array(values), None
     return q.ENQUEUE if keyed else q.ENQUEUE_NO_KEYS, params
+
+
+def _atomic(conn: psycopg.Connection[Any],
+            several: bool) -> AbstractContextManager[object]:
+    """A transaction for several statements on an autocommit connection outside any (the
+    app's own, or a caller's); otherwise nothing: one statement is atomic, and a caller's
+    open transaction already holds them all."""
+    if several and conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        return conn.transaction()
+    return nullcontext()
+
+
+def _atomic_async(conn: psycopg.AsyncConnection[Any],
+                  several: bool) -> AbstractAsyncContextManager[object]:
+    """:func:`_atomic` for an async connection."""
+    if several and conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        return conn.transaction()
+    return nullcontext()
 
 
 # A key whose holder finished between our insert and our look-up of its id is free again:

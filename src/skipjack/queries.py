@@ -98,11 +98,6 @@ SELECT id, idempotency_key FROM {schema}.jobs
    AND (unique_states & {schema}.state_bit(state)) <> 0
 """
 
-# Sent on a caller's connection that is not in autocommit mode and has no transaction open,
-# before a bulk enqueue of several statements: psycopg opens the caller's transaction before
-# it, so the enqueue's savepoint lives inside that transaction (which the caller commits).
-OPEN_TRANSACTION = "SELECT 1"
-
 # --- claim ---------------------------------------------------------------------------------
 
 # One queue per statement (an ordered index scan; `queue = ANY(...)` would need a sort).
