@@ -103,6 +103,9 @@ def test_fc14_misfire_policy(app: App) -> None:
     stale, missed = plan(_entry(app, "0 0 * * *", grace=60), utc(2025, 1, 1),
                          utc(2025, 1, 2, 6))
     assert stale is None and missed == [utc(2025, 1, 2)]
+    # (e) a new schedule runs its latest slot within the grace period and records no misses
+    assert plan(minute, None, utc(2025, 1, 1, 12, 5, 30)) == (utc(2025, 1, 1, 12, 5), [])
+    assert plan(_entry(app, "0 0 * * *", grace=60), None, utc(2025, 1, 2, 6)) == (None, [])
 
 
 def test_fc13_three_schedulers_one_job_per_slot(app: App) -> None:

@@ -19,7 +19,8 @@ Time zones and daylight saving time (documented policy):
 Misfire policy: each scheduler pass looks at the slots since the schedule's last recorded
 slot. The most recent one runs if it is at most ``grace`` seconds old (default 600); every
 other one is recorded as ``missed``, never run: a long outage produces no burst.
-A schedule seen for the first time looks back ``grace`` seconds only.
+A schedule seen for the first time runs its most recent slot if that is at most ``grace``
+seconds old and records none as missed (it did not exist then).
 
 Each slot is a row of ``cron_slots`` (primary key name + slot), inserted in the same
 transaction as its job, so any number of schedulers enqueue a slot at most once.
@@ -173,6 +174,8 @@ def plan(entry: CronEntry, last_slot: datetime | None,
     if not candidates:
         return None, []
     newest = candidates[-1]
+    if last_slot is None:  # a new schedule: the slots before it existed were not missed
+        return (newest if now - newest <= grace else None), []
     if now - newest <= grace:
         return newest, candidates[:-1][-MAX_MISSED_RECORDED:]
     return None, candidates[-MAX_MISSED_RECORDED:]
