@@ -428,8 +428,9 @@ class App(Control):
         self, jobs: Iterable[JobSpec], *, conn: psycopg.Connection[Any] | None = None
     ) -> list[int]:
         """Enqueue jobs atomically: one statement for up to 1,000 of them; more are written
-        1,000 to a statement (:data:`CHUNK_JOBS`) in one transaction, each sent without
-        waiting for the previous one's result (psycopg pipeline mode).
+        1,000 to a statement (:data:`CHUNK_JOBS`) in one transaction (on the app's own
+        connection each is sent without waiting for the previous one's result: psycopg
+        pipeline mode).
 
         Args:
             jobs: specs from :meth:`Task.job`, any iterable. Without ``conn`` it is read as the
