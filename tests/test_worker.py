@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,6 +23,7 @@ from skipjack.maintenance import rescue
 from skipjack.worker import Worker
 
 from support import (
+    TESTS,
     Server,
     WorkerProcess,
     create_log_tables,
@@ -455,3 +461,35 @@ def test_job_claimed_again_by_the_same_worker_stops_its_stale_run(app: App, how:
         worker.stop()
         thread.join(30)
     assert not thread.is_alive()
+
+
+@pytest.mark.skipif("embedded" not in os.environ.get("SKIPJACK_TEST_SERVERS", "embedded"),
+                    reason="embedded server not selected by SKIPJACK_TEST_SERVERS")
+def test_cli_worker_on_the_embedded_server_stops_it_when_it_exits(tmp_path: Path) -> None:
+    """The CLI ends with os._exit, which skips the embedded server's atexit hook: the worker
+    was the server's last user, yet left it running for good."""
+    data = Path.home() / ".cache" / "skipjack-tests" / f"exit-{secrets.token_hex(4)}"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SKIPJACK_DATABASE_URL", "DATABASE_URL")}
+    env.update(SKIPJACK_EMBEDDED_DIR=str(data), SKIPJACK_SCHEMA="exit_test",
+               PYTHONUNBUFFERED="1")
+    log = tmp_path / "w.log"
+    pidfile = data / "postmaster.pid"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "skipjack", "worker", "jobs_app:app",
+                                 "--migrate", *FAST], cwd=TESTS, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: (pidfile.exists() and "serving" in log.read_text())
+                   or proc.poll() is not None, timeout=180, what="a worker on a new server")
+        assert proc.poll() is None, log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        wait_until(lambda: not pidfile.exists(), timeout=60, what="the embedded server stopped")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pidfile.exists():  # stop it by hand (SIGINT: fast shutdown)
+            os.kill(int(pidfile.read_text().split()[0]), signal.SIGINT)
+            wait_until(lambda: not pidfile.exists(), timeout=60, what="server stopped by hand")
+        shutil.rmtree(data, ignore_errors=True)

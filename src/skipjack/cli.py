@@ -14,6 +14,7 @@ import psycopg
 from rich.console import Console
 from rich.table import Table
 
+from . import embedded
 from .app import App
 from .bench.command import bench
 from .errors import SkipjackError
@@ -111,6 +112,7 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
     if migrate:
         app.migrate()
     w.run()
+    embedded.release()  # os._exit skips the atexit hook that would
     logging.shutdown()
     os._exit(0)  # do not wait for sync handler threads that ignored the shutdown
 

