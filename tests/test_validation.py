@@ -5,16 +5,21 @@ from __future__ import annotations
 import math
 import random
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, date, datetime, timedelta, timezone
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from click.testing import CliRunner
 
 from skipjack import App, Backoff, ConfigError, ValidationError, Worker
+from skipjack.cli import main
 from skipjack.jobs import DEFAULT_MAX_ARGS_BYTES, dump_result
 
-from support import query
+from support import Server, query
 
 
 def _count(app: App) -> int:
@@ -219,3 +224,37 @@ def test_fc04c_heartbeat_too_slow_for_lease_is_rejected(app: App) -> None:
     Worker(app, ["q"], lease=2.0, heartbeat=0.9)
     with pytest.raises(ConfigError, match="concurrency"):
         Worker(app, ["q"], concurrency=0)
+
+
+def test_worker_app_path_that_cannot_be_imported(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["worker", "nosuch_pkg.tasks:app"])
+    assert result.exit_code == 2
+    assert "no module 'nosuch_pkg'" in result.output and "PYTHONPATH" in result.output
+    (tmp_path / "broken_tasks.py").write_text("import nosuch_dependency\n")
+    result = CliRunner().invoke(main, ["worker", "broken_tasks:app"])
+    assert isinstance(result.exception, ModuleNotFoundError)  # not blamed on the path
+    assert result.exception.name == "nosuch_dependency"
+
+
+def test_enqueue_before_migrate_says_what_to_do(server: Server, schema: str) -> None:
+    app = App(server.dsn, schema=schema)  # never migrated
+    t = app.task(name="t")(lambda: None)
+    for call in (lambda: t.enqueue(), lambda: app.enqueue_many(t.job() for _ in range(1_500))):
+        with pytest.raises(psycopg.errors.UndefinedTable) as info:
+            call()
+        assert any("skipjack migrate" in note for note in info.value.__notes__)
+    app.close()
+
+
+def test_pool_size(server: Server, schema: str) -> None:
+    for bad in (0, 1001, 2.5, True):
+        with pytest.raises(ValidationError, match="pool_size"):
+            App(server.dsn, schema=schema, pool_size=bad)  # type: ignore[arg-type]
+    app = App(server.dsn, schema=schema, pool_size=6)
+    app.migrate()
+    t = app.task(name="t")(lambda n: None)
+    with ThreadPoolExecutor(12) as threads:  # more threads than connections: they wait
+        ids = list(threads.map(lambda n: t.enqueue(n=n), range(200)))
+    assert len(set(ids)) == 200 and app._sync_pool().max_size == 6
+    app.close()

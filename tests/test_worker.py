@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import shutil
@@ -493,3 +494,20 @@ def test_cli_worker_on_the_embedded_server_stops_it_when_it_exits(tmp_path: Path
             os.kill(int(pidfile.read_text().split()[0]), signal.SIGINT)
             wait_until(lambda: not pidfile.exists(), timeout=60, what="server stopped by hand")
         shutil.rmtree(data, ignore_errors=True)
+
+
+def test_worker_warns_when_it_serves_no_queue_of_the_apps_tasks(
+        app: App, caplog: pytest.LogCaptureFixture) -> None:
+    app.task(name="send", queue="emails")(lambda: None)
+    for queues, warned in ((["default"], True), (["default", "emails"], False)):
+        caplog.clear()
+        worker = Worker(app, queues, poll_interval=0.2)
+        thread = threading.Thread(target=lambda w=worker: asyncio.run(w.run_async()))
+        with caplog.at_level(logging.INFO, logger="skipjack.worker"):
+            thread.start()
+            try:
+                wait_until(lambda: "serving" in caplog.text, what="the worker started")
+            finally:
+                worker.stop()
+                thread.join(30)
+        assert ("no task of this app uses the queues served" in caplog.text) is warned

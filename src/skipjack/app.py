@@ -188,9 +188,13 @@ class App(Control):
         prepare: let psycopg prepare statements it runs often (the default). Set False when
             enqueueing through a transaction-mode pooler that cannot keep prepared
             statements (PgBouncer before 1.21).
+        pool_size: the most connections the app's own pool opens (sync and async each) for
+            enqueues without ``conn``; 1..1,000. A call waits up to 30 s for a free one,
+            then raises ``psycopg_pool.PoolTimeout``: give as many as the threads (or tasks)
+            that enqueue at once.
 
     Raises:
-        ValidationError: bad schema name or size limit.
+        ValidationError: bad schema name, size limit or pool size.
     """
 
     def __init__(
@@ -200,6 +204,7 @@ class App(Control):
         schema: str | None = None,
         max_args_bytes: int = DEFAULT_MAX_ARGS_BYTES,
         prepare: bool = True,
+        pool_size: int = 4,
     ) -> None:
         schema = schema or os.environ.get("SKIPJACK_SCHEMA") or "skipjack"
         if not isinstance(schema, str) or not _SCHEMA_RE.fullmatch(schema):
@@ -208,6 +213,10 @@ class App(Control):
             )
         if not 1 <= max_args_bytes <= 255 * 1024 * 1024:
             raise ValidationError("max_args_bytes", "must be 1..267,386,880 bytes (255 MiB)")
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) \
+                or not 1 <= pool_size <= 1000:
+            raise ValidationError("pool_size", f"must be an int in 1..1000, got {pool_size!r}")
+        self.pool_size = pool_size
         self._dsn = dsn
         self.schema = schema
         self.max_args_bytes = max_args_bytes
@@ -375,7 +384,7 @@ class App(Control):
         with self._lock:
             if self._pool is None:
                 self._pool = ConnectionPool(
-                    self._dsn or resolve_dsn(), min_size=1, max_size=4, open=False,
+                    self._dsn or resolve_dsn(), min_size=1, max_size=self.pool_size, open=False,
                     kwargs=self.connect_kwargs,
                 )
                 self._pool.open()
@@ -384,7 +393,7 @@ class App(Control):
     async def _async_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
         if self._apool is None:
             pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
-                self.dsn, min_size=1, max_size=4, open=False,
+                self.dsn, min_size=1, max_size=self.pool_size, open=False,
                 kwargs=self.connect_kwargs,
             )
             await pool.open()
@@ -462,10 +471,14 @@ class App(Control):
         first = next(chunks, None)  # checked before taking a connection
         if first is None:
             return []
-        if conn is None:
-            with self._sync_pool().connection() as own:
-                return self._enqueue_on(own, first, chunks, pipelined=True)
-        return self._enqueue_on(conn, first, chunks, pipelined=False)
+        try:
+            if conn is None:
+                with self._sync_pool().connection() as own:
+                    return self._enqueue_on(own, first, chunks, pipelined=True)
+            return self._enqueue_on(conn, first, chunks, pipelined=False)
+        except psycopg.errors.UndefinedTable as exc:
+            exc.add_note(self._not_migrated())
+            raise
 
     def _enqueue_on(self, conn: psycopg.Connection[Any], first: _Chunk,
                     chunks: Iterator[_Chunk], *, pipelined: bool) -> list[int]:
@@ -515,10 +528,18 @@ class App(Control):
         first = next(chunks, None)
         if first is None:
             return []
-        if conn is None:
-            async with (await self._async_pool()).connection() as own:
-                return await self._enqueue_on_async(own, first, chunks, pipelined=True)
-        return await self._enqueue_on_async(conn, first, chunks, pipelined=False)
+        try:
+            if conn is None:
+                async with (await self._async_pool()).connection() as own:
+                    return await self._enqueue_on_async(own, first, chunks, pipelined=True)
+            return await self._enqueue_on_async(conn, first, chunks, pipelined=False)
+        except psycopg.errors.UndefinedTable as exc:
+            exc.add_note(self._not_migrated())
+            raise
+
+    def _not_migrated(self) -> str:
+        return (f"skipjack: schema {self.schema!r} has no skipjack tables on this database: "
+                "run `skipjack migrate` (or App.migrate()) first, or check the schema name")
 
     async def _enqueue_on_async(self, conn: psycopg.AsyncConnection[Any], first: _Chunk,
                                 chunks: Iterator[_Chunk], *, pipelined: bool) -> list[int]:

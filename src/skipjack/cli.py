@@ -32,7 +32,16 @@ def load_app(path: str, dsn: str | None, schema: str | None) -> App:
     if not module_name or not attr:
         raise click.BadParameter(f"{path!r}: expected MODULE:APP, e.g. myproject.jobs:app")
     sys.path.insert(0, os.getcwd())
-    app = getattr(importlib.import_module(module_name), attr, None)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module_name + ".").startswith(exc.name + "."):
+            raise  # the module was found; something it imports was not
+        raise click.BadParameter(
+            f"{path!r}: no module {exc.name!r} in the current directory ({os.getcwd()}) or on "
+            "sys.path; run from the directory that holds it, or add that to PYTHONPATH"
+        ) from None
+    app = getattr(module, attr, None)
     if not isinstance(app, App):
         raise click.BadParameter(f"{path!r} is not a skipjack App")
     if dsn:

@@ -280,6 +280,10 @@ class Worker:
         maintenance.start()
         log.info("worker %s serving %s (concurrency %d) on %s", self.name,
                  ", ".join(self.queues), self.concurrency, _safe_dsn(dsn))
+        task_queues = sorted({t.queue for t in self.app.tasks.values()})
+        if task_queues and not set(task_queues) & set(self.queues):
+            log.warning("no task of this app uses the queues served (%s); they use %s: serve "
+                        "those with --queue", ", ".join(self.queues), ", ".join(task_queues))
         producer = asyncio.create_task(self._produce(), name="skipjack-producer")
         helpers = [asyncio.create_task(listen(self.app, self._mark_due, self._mark_all_due,
                                               self.listen_health_interval),
