@@ -511,3 +511,27 @@ def test_worker_warns_when_it_serves_no_queue_of_the_apps_tasks(
                 worker.stop()
                 thread.join(30)
         assert ("no task of this app uses the queues served" in caplog.text) is warned
+
+
+def test_fairness_reaches_low_priorities_on_a_limited_queue(app: App) -> None:
+    """Concurrency limit 1 and no prefetch: one job per claim, and the claims that find the
+    limit reached (the finished job's outcome not yet written) do not take a turn."""
+    order: list[int] = []
+
+    @app.task(name="rec", queue="q")
+    def rec(n: int) -> None:
+        order.append(n)
+
+    app.set_queue_limits("q", concurrency=1)
+    rec.configure(priority=-100).enqueue(n=0)  # the oldest job, the lowest priority
+    for n in (1, 2, 3, 4):
+        rec.configure(priority=100).enqueue(n=n)
+    worker = Worker(app, ["q"], concurrency=1, prefetch=0, fairness_every=2, poll_interval=0.2)
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    try:
+        wait_until(lambda: len(order) == 5, what="five jobs run")
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert order == [1, 0, 2, 3, 4]  # claim 2 took the oldest; strict priority: 0 last

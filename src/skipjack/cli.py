@@ -98,8 +98,8 @@ def migrate(ctx: click.Context) -> None:
 @click.option("--prefetch", default=None, type=click.IntRange(0, 10_000),
               help="Jobs claimed ahead of free slots [concurrency, at most 100].")
 @click.option("--fairness-every", default=10, show_default=True, type=click.IntRange(0),
-              help="Every n-th claim of a queue takes the oldest jobs whatever their "
-                   "priority (0: strict priority).")
+              help="Every n-th claim that takes jobs from a queue takes the oldest ones "
+                   "whatever their priority (0: strict priority).")
 @click.option("--name", default="", help="Worker name shown on claimed jobs.")
 @click.option("--migrate/--no-migrate", default=False, help="Migrate the schema first.")
 @click.pass_context

@@ -155,7 +155,7 @@ LOCK_QUEUE = """
 SELECT paused FROM {schema}.queues WHERE name = %(queue)s FOR UPDATE
 """
 
-CLAIM_LIMITED = """
+_CLAIM_LIMITED = """
 WITH q AS (
     SELECT q.*, q.window_start IS NULL
                 OR q.window_start + make_interval(secs => q.rate_period) <= now() AS new_window
@@ -170,7 +170,7 @@ WITH q AS (
                       %(limit)s))) AS n
       FROM q
 ), claimed AS (
-""" + _CLAIM.replace("<<QUEUE_FILTER>>", "true").replace("<<ORDER>>", _PRIORITY_ORDER).replace(
+""" + _CLAIM.replace("<<QUEUE_FILTER>>", "true").replace(
     "<<LIMIT>>", "coalesce((SELECT n FROM allowed), 0)").strip() + """
 ), counted AS (
     UPDATE {schema}.queues AS q
@@ -182,6 +182,8 @@ WITH q AS (
 )
 SELECT * FROM claimed
 """
+CLAIM_LIMITED = _CLAIM_LIMITED.replace("<<ORDER>>", _PRIORITY_ORDER)
+CLAIM_LIMITED_OLDEST = _CLAIM_LIMITED.replace("<<ORDER>>", _OLDEST_ORDER)
 
 # The producer's connection: claims need not wait for their WAL flush. A claim lost in a
 # crash only makes its job claimable again, and its token is not handed out again (see the
@@ -195,7 +197,7 @@ SELECT name FROM {schema}.queues WHERE concurrency_limit IS NOT NULL OR rate_lim
 def claim_params(queue: str, limit: int, *, lease: float, worker: str,
                  min_lease: float = 0.0, inline_bytes: int = 256 * 1024,
                  held_tasks: list[str] | None = None, held: bool = False) -> dict[str, object]:
-    """Bind values of CLAIM, CLAIM_OLDEST and CLAIM_LIMITED.
+    """Bind values of CLAIM, CLAIM_OLDEST and CLAIM_LIMITED[_OLDEST].
 
     Args:
         queue: the one queue to claim from.

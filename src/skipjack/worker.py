@@ -100,9 +100,10 @@ class Worker:
             a slot that frees starts its next job at once instead of after a claim round
             trip. Their leases are renewed while they wait; they count as started (an
             attempt) and are released at shutdown. 0 claims only for free slots.
-        fairness_every: every n-th claim from a queue takes the oldest runnable jobs
-            whatever their priority, so no priority waits forever (0 disables: strict
-            priority, where a steady stream of higher priorities starves lower ones).
+        fairness_every: every n-th claim that takes jobs from a queue (limited or not) takes
+            the oldest runnable jobs whatever their priority, so no priority waits forever
+            (0 disables: strict priority, where a steady stream of higher priorities starves
+            lower ones).
         shutdown_grace: seconds running jobs get to finish after SIGTERM; the rest are then
             released back to their queue, their attempt not counted.
         name: the worker's name stored on claimed rows (default host:pid:random). Only for
@@ -567,17 +568,21 @@ class Worker:
     async def _claim(self, conn: psycopg.AsyncConnection[Any], queue: str,
                      want: int) -> list[Any]:
         """One claim from one queue: through the queue's lock when it is limited; every
-        ``fairness_every``-th claim oldest-first instead of by priority."""
+        ``fairness_every``-th claim that takes jobs oldest-first instead of by priority."""
         q = self.app.queries
         params = self._claim_params(queue, want, held=False)
+        oldest = self.fairness_every and (self._claims[queue] + 1) % self.fairness_every == 0
         if queue in self._controlled:
             async with conn.transaction():
                 await conn.execute(q.LOCK_QUEUE, {"queue": queue})
-                return await (await conn.execute(q.CLAIM_LIMITED, params)).fetchall()
-        self._claims[queue] += 1
-        oldest = self.fairness_every and self._claims[queue] % self.fairness_every == 0
-        return await (await conn.execute(q.CLAIM_OLDEST if oldest else q.CLAIM,
-                                         params)).fetchall()
+                rows = await (await conn.execute(
+                    q.CLAIM_LIMITED_OLDEST if oldest else q.CLAIM_LIMITED, params)).fetchall()
+        else:
+            rows = await (await conn.execute(q.CLAIM_OLDEST if oldest else q.CLAIM,
+                                             params)).fetchall()
+        if rows:  # claims that find nothing (an empty queue, a limit reached) do not count
+            self._claims[queue] += 1
+        return rows
 
     def _buffer(self, job: Job) -> None:
         """A claimed job waits here for a slot; its lease is renewed meanwhile."""
