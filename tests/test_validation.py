@@ -258,3 +258,18 @@ def test_pool_size(server: Server, schema: str) -> None:
         ids = list(threads.map(lambda n: t.enqueue(n=n), range(200)))
     assert len(set(ids)) == 200 and app._sync_pool().max_size == 6
     app.close()
+
+
+def test_a_missing_table_of_the_callers_is_not_blamed_on_migrations(app: App) -> None:
+    t = app.task(name="t")(lambda n: None)
+
+    def specs() -> Any:
+        for n in range(1_500):
+            if n == 1_200:  # after the first statement was sent
+                with app.connect() as conn:
+                    conn.execute("SELECT * FROM my_cache_that_is_not_there")
+            yield t.job(n=n)
+
+    with pytest.raises(psycopg.errors.UndefinedTable) as info:
+        app.enqueue_many(specs())
+    assert not getattr(info.value, "__notes__", [])

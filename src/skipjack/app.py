@@ -477,7 +477,7 @@ class App(Control):
                     return self._enqueue_on(own, first, chunks, pipelined=True)
             return self._enqueue_on(conn, first, chunks, pipelined=False)
         except psycopg.errors.UndefinedTable as exc:
-            exc.add_note(self._not_migrated())
+            self._note_not_migrated(exc)
             raise
 
     def _enqueue_on(self, conn: psycopg.Connection[Any], first: _Chunk,
@@ -534,12 +534,16 @@ class App(Control):
                     return await self._enqueue_on_async(own, first, chunks, pipelined=True)
             return await self._enqueue_on_async(conn, first, chunks, pipelined=False)
         except psycopg.errors.UndefinedTable as exc:
-            exc.add_note(self._not_migrated())
+            self._note_not_migrated(exc)
             raise
 
-    def _not_migrated(self) -> str:
-        return (f"skipjack: schema {self.schema!r} has no skipjack tables on this database: "
-                "run `skipjack migrate` (or App.migrate()) first, or check the schema name")
+    def _note_not_migrated(self, exc: psycopg.errors.UndefinedTable) -> None:
+        """Say what to do when the missing relation is one of skipjack's (not, say, a table
+        the caller's iterable read)."""
+        if f'relation "{self.schema}.' in (exc.diag.message_primary or ""):
+            exc.add_note(f"skipjack: schema {self.schema!r} has no skipjack tables on this "
+                         "database: run `skipjack migrate` (or App.migrate()) first, or check "
+                         "the schema name")
 
     async def _enqueue_on_async(self, conn: psycopg.AsyncConnection[Any], first: _Chunk,
                                 chunks: Iterator[_Chunk], *, pipelined: bool) -> list[int]:

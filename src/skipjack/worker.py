@@ -282,9 +282,9 @@ class Worker:
         log.info("worker %s serving %s (concurrency %d) on %s", self.name,
                  ", ".join(self.queues), self.concurrency, _safe_dsn(dsn))
         task_queues = sorted({t.queue for t in self.app.tasks.values()})
-        if task_queues and not set(task_queues) & set(self.queues):
-            log.warning("no task of this app uses the queues served (%s); they use %s: serve "
-                        "those with --queue", ", ".join(self.queues), ", ".join(task_queues))
+        if self.queues == ("default",) and task_queues and "default" not in task_queues:
+            log.warning("serving only the queue 'default', which no task of this app has as its "
+                        "queue (they have %s): name them with --queue", ", ".join(task_queues))
         producer = asyncio.create_task(self._produce(), name="skipjack-producer")
         helpers = [asyncio.create_task(listen(self.app, self._mark_due, self._mark_all_due,
                                               self.listen_health_interval),
