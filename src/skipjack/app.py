@@ -9,7 +9,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from itertools import chain
@@ -487,7 +487,8 @@ class App(Control):
         be the caller's to choose, and psycopg refuses it after a ``stream()``)."""
         specs, more = first
         # tuple rows, whatever the row factory of the caller's connection
-        with _atomic(conn, more), conn.cursor(row_factory=tuple_row) as cur:
+        atomic = conn.transaction() if _needs_transaction(conn, more) else nullcontext()
+        with atomic, conn.cursor(row_factory=tuple_row) as cur:
             cursors: list[psycopg.Cursor[tuple[Any, ...]]] = []
             with conn.pipeline() if pipelined and more else nullcontext():
                 for chunk, _ in chain([first], chunks):
@@ -548,7 +549,8 @@ class App(Control):
     async def _enqueue_on_async(self, conn: psycopg.AsyncConnection[Any], first: _Chunk,
                                 chunks: Iterator[_Chunk], *, pipelined: bool) -> list[int]:
         specs, more = first
-        async with _atomic_async(conn, more), conn.cursor(row_factory=tuple_row) as cur:
+        atomic = conn.transaction() if _needs_transaction(conn, more) else nullcontext()
+        async with atomic, conn.cursor(row_factory=tuple_row) as cur:
             cursors: list[psycopg.AsyncCursor[tuple[Any, ...]]] = []
             async with conn.pipeline() if pipelined and more else nullcontext():
                 for chunk, _ in chain([first], chunks):
@@ -654,22 +656,13 @@ def _enqueue_statement(q: Queries, specs: list[JobSpec]) -> tuple[bytes, dict[st
     return q.ENQUEUE if keyed else q.ENQUEUE_NO_KEYS, params
 
 
-def _atomic(conn: psycopg.Connection[Any],
-            several: bool) -> AbstractContextManager[object]:
-    """A transaction for several statements on an autocommit connection outside any (the
-    app's own, or a caller's); otherwise nothing: one statement is atomic, and a caller's
-    open transaction already holds them all."""
-    if several and conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-        return conn.transaction()
-    return nullcontext()
-
-
-def _atomic_async(conn: psycopg.AsyncConnection[Any],
-                  several: bool) -> AbstractAsyncContextManager[object]:
-    """:func:`_atomic` for an async connection."""
-    if several and conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-        return conn.transaction()
-    return nullcontext()
+def _needs_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+                       several: bool) -> bool:
+    """Whether several statements need a transaction of their own: on an autocommit
+    connection outside any (the app's own, or a caller's). One statement is atomic, and a
+    caller's open transaction already holds them all."""
+    return (several and conn.autocommit
+            and conn.info.transaction_status == TransactionStatus.IDLE)
 
 
 # A key whose holder finished between our insert and our look-up of its id is free again:
