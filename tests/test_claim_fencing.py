@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 from psycopg import sql
 
-from skipjack import App, queries
-from skipjack.completer import Outcome, outcome_params
-from skipjack.maintenance import rescue
+from skipjack import App
+from skipjack.outcome import Outcome, outcome_params
+from skipjack.runtime.maintenance import rescue
+from skipjack.sql import claim as queries
 
 from support import query, undo_claim
 

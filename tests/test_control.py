@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from skipjack import App, DuplicateJobError
-from skipjack.maintenance import Maintenance, rescue, stage
+from skipjack.runtime.maintenance import Maintenance, rescue, stage
 from test_claim_fencing import claim, claim_params, expire
 
 from support import WorkerProcess, create_log_tables, exec_counts, query, states, wait_until
@@ -337,7 +337,7 @@ def test_a_prune_the_database_refuses_holds_up_no_other_duty(
     query(app.dsn, "INSERT INTO {schema}.refs SELECT id FROM {schema}.jobs", schema=app.schema)
     t = app.task(name="t", queue="q")(lambda: None)
     staged: list[str] = []
-    m = Maintenance(app, stage_interval=0.1, rescue_interval=0.1, retention=3600.0,
+    m = Maintenance(app.db, stage_interval=0.1, rescue_interval=0.1, retention=3600.0,
                     discarded_retention=None, on_staged=staged.append)
     m.start()
     try:

@@ -12,7 +12,9 @@ import psycopg
 import pytest
 
 from skipjack import App, ValidationError
-from skipjack.cron import CronEntry, CronSchedule, plan, schedule_due
+from skipjack.app import CronEntry
+from skipjack.cron import CronSchedule, plan
+from skipjack.runtime.maintenance import schedule_due
 
 from support import query
 

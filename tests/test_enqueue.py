@@ -14,9 +14,9 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 
-import skipjack.app
+import skipjack.enqueue
 from skipjack import App, ValidationError
-from skipjack.migrate import channel_name
+from skipjack.db import channel_name
 
 from support import query, wait_until
 
@@ -117,7 +117,7 @@ def test_bulk_enqueue_10000_in_ten_statements(app: App) -> None:
 
 
 def test_bulk_enqueue_cuts_statements_by_size_too(app: App, monkeypatch: Any) -> None:
-    monkeypatch.setattr(skipjack.app, "CHUNK_MAX_CHARS", 1_000)
+    monkeypatch.setattr(skipjack.enqueue, "CHUNK_MAX_CHARS", 1_000)
     t = _task(app)
     specs = [t.job(s="x" * 400) for _ in range(5)] + [t.job(s="y" * 5_000), t.job(n=1)]
     CountingCursor.executed = 0

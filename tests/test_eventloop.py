@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from skipjack import eventloop
+from skipjack.runtime import eventloop
 
 pytestmark = pytest.mark.skipif(not hasattr(selectors, "EpollSelector"), reason="Linux only")
 

@@ -11,7 +11,7 @@ import pytest
 
 from skipjack import App
 from skipjack.chaos import ChaosOptions, run_chaos
-from skipjack.migrate import channel_name
+from skipjack.db import channel_name
 
 from support import (
     Server,

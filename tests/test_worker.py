@@ -20,8 +20,8 @@ import pytest
 from psycopg import sql
 
 from skipjack import App, current_job
-from skipjack.maintenance import rescue
-from skipjack.worker import Worker
+from skipjack.runtime.maintenance import rescue
+from skipjack.runtime.worker import Worker
 
 from support import (
     TESTS,

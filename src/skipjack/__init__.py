@@ -5,7 +5,6 @@ Public API: :class:`App` (configuration, tasks, enqueue), :class:`Worker`, :clas
 """
 
 from .app import App, Task
-from .completer import WorkerStats
 from .context import Job, JobContext, current_job
 from .errors import (
     ConfigError,
@@ -19,7 +18,8 @@ from .errors import (
 )
 from .jobs import JobSpec
 from .retry import Backoff
-from .worker import Worker
+from .runtime.completer import WorkerStats
+from .runtime.worker import Worker
 
 __all__ = [
     "App",

@@ -8,28 +8,25 @@ import inspect
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from itertools import chain
-from operator import attrgetter
 from typing import Any, overload
 
 import psycopg
-from psycopg.pq import TransactionStatus
-from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from . import embedded
-from .control import Control
-from .cron import CronEntry, CronSchedule
-from .errors import DuplicateJobError, ValidationError
+from . import enqueue as enqueuing
+from .admin import Admin
+from .cron import CronSchedule
+from .db import Database
+from .errors import ValidationError
 from .jobs import (
     DEFAULT_MAX_ARGS_BYTES,
     QUEUE_MAX_BYTES,
     TASK_MAX_BYTES,
     JobSpec,
+    TransactionMode,
     check_delay,
     check_idempotency_key,
     check_lease,
@@ -43,29 +40,13 @@ from .jobs import (
     unique_states_mask,
 )
 from .migrate import check_schema, migrate
-from .queries import Queries, number_array, text_array
 from .retry import Backoff
-
-# Keepalives let an idle TCP connection that silently died (no RST) fail within about 25 s;
-# tcp_user_timeout does the same for one with unacknowledged data in flight.
-CONNECT_KWARGS: dict[str, Any] = {
-    "connect_timeout": 10,
-    "tcp_user_timeout": 30_000,
-    "keepalives": 1,
-    "keepalives_idle": 10,
-    "keepalives_interval": 5,
-    "keepalives_count": 3,
-    "application_name": os.environ.get("SKIPJACK_APPLICATION_NAME", "skipjack"),
-}
 
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
-
-def resolve_dsn(dsn: str | None = None) -> str:
-    """The DSN to use: ``dsn`` if given, else ``$SKIPJACK_DATABASE_URL``, else
-    ``$DATABASE_URL``, else the embedded server (started on demand)."""
-    return (dsn or os.environ.get("SKIPJACK_DATABASE_URL") or os.environ.get("DATABASE_URL")
-            or embedded.dsn())
+# A cron entry's name is part of its slots' idempotency keys, "cron:<name>:<slot>", which
+# must fit in 255 bytes.
+CRON_NAME_MAX_BYTES = 224
 
 
 @dataclass(frozen=True)
@@ -87,7 +68,7 @@ class Task:
     delay: float | None = None
     idempotency_key: str | None = None
     lease: float | None = None
-    transaction: str = "none"
+    transaction: TransactionMode = "none"
     timeout: float | None = None
     unique_states: int = 63
 
@@ -172,11 +153,11 @@ class Task:
         return await self.app.enqueue_async(self.job(**kwargs))
 
 
-class App(Control):
+class App(Admin):
     """A skipjack application: where the jobs live, which tasks exist, which run on a cron.
 
     The operating methods (``stats``, ``cancel``, ``pause_queue``, ``prune``, ...) are
-    documented in :class:`skipjack.control.Control`.
+    documented in :class:`skipjack.admin.Admin`.
 
     Args:
         dsn: a libpq connection string or URI. None: ``$SKIPJACK_DATABASE_URL``, then
@@ -217,13 +198,9 @@ class App(Control):
                 or not 1 <= pool_size <= 1000:
             raise ValidationError("pool_size", f"must be an int in 1..1000, got {pool_size!r}")
         self.pool_size = pool_size
-        self._dsn = dsn
+        self.db = Database(dsn, schema, prepare=prepare)
         self.schema = schema
         self.max_args_bytes = max_args_bytes
-        self.queries = Queries(schema)
-        self.connect_kwargs: dict[str, Any] = {**CONNECT_KWARGS, "autocommit": True}
-        if not prepare:
-            self.connect_kwargs["prepare_threshold"] = None
         self.tasks: dict[str, Task] = {}
         self.crons: dict[str, CronEntry] = {}
         self._lock = threading.Lock()
@@ -235,10 +212,7 @@ class App(Control):
     @property
     def dsn(self) -> str:
         """The resolved connection string (starts the embedded server when it is the one)."""
-        with self._lock:
-            if self._dsn is None:
-                self._dsn = resolve_dsn()
-            return self._dsn
+        return self.db.dsn
 
     @overload
     def task(self, fn: Callable[..., Any], /) -> Task: ...
@@ -255,7 +229,7 @@ class App(Control):
         max_attempts: int = 25,
         backoff: Backoff | None = None,
         lease: float | None = None,
-        transaction: str = "none",
+        transaction: TransactionMode = "none",
         timeout: float | None = None,
     ) -> Callable[[Callable[..., Any]], Task]: ...
 
@@ -270,7 +244,7 @@ class App(Control):
         max_attempts: int = 25,
         backoff: Backoff | None = None,
         lease: float | None = None,
-        transaction: str = "none",
+        transaction: TransactionMode = "none",
         timeout: float | None = None,
     ) -> Task | Callable[[Callable[..., Any]], Task]:
         """Register a function as a task; usable bare (``@app.task``) or with options.
@@ -289,7 +263,7 @@ class App(Control):
                 outcome is recorded afterwards. ``"complete"``: ``current_job().conn`` is a
                 connection in a transaction that also records the fenced completion, so
                 the handler's writes commit exactly once (see :mod:`skipjack.transactional`).
-                ``"claim"``: the articles' first design; the job is claimed in a transaction
+                ``"claim"``: the job is claimed in a transaction
                 that stays open while the handler runs (sync handlers only) and commits with
                 the outcome. No lease or rescue is involved: if the worker dies, PostgreSQL
                 rolls back and the job is available again. The handler must finish within
@@ -370,22 +344,21 @@ class App(Control):
 
     # --- connections ---------------------------------------------------------------------
 
-    def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
-        """A new sync connection to the app's database (autocommit unless told otherwise)."""
-        opts = {**self.connect_kwargs, **kwargs}
-        return psycopg.connect(self.dsn, **opts)
-
     async def connect_async(self, **kwargs: Any) -> psycopg.AsyncConnection[Any]:
-        """A new async connection to the app's database (autocommit unless told otherwise)."""
-        opts = {**self.connect_kwargs, **kwargs}
-        return await psycopg.AsyncConnection.connect(self.dsn, **opts)
+        """A new async connection to the app's database (autocommit unless told otherwise).
+
+        Raises:
+            psycopg.OperationalError: the database cannot be reached.
+        """
+        return await self.db.connect_async(**kwargs)
 
     def _sync_pool(self) -> ConnectionPool[psycopg.Connection[Any]]:
+        dsn = self.db.dsn  # resolved outside the pool lock: it may start the embedded server
         with self._lock:
             if self._pool is None:
                 self._pool = ConnectionPool(
-                    self._dsn or resolve_dsn(), min_size=1, max_size=self.pool_size, open=False,
-                    kwargs=self.connect_kwargs,
+                    dsn, min_size=1, max_size=self.pool_size, open=False,
+                    kwargs=self.db.connect_kwargs,
                 )
                 self._pool.open()
             return self._pool
@@ -394,7 +367,7 @@ class App(Control):
         if self._apool is None:
             pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
                 self.dsn, min_size=1, max_size=self.pool_size, open=False,
-                kwargs=self.connect_kwargs,
+                kwargs=self.db.connect_kwargs,
             )
             await pool.open()
             self._apool = pool
@@ -437,9 +410,9 @@ class App(Control):
         self, jobs: Iterable[JobSpec], *, conn: psycopg.Connection[Any] | None = None
     ) -> list[int]:
         """Enqueue jobs atomically: one statement for up to 1,000 of them; more are written
-        1,000 to a statement (:data:`CHUNK_JOBS`) in one transaction (on the app's own
-        connection each is sent without waiting for the previous one's result: psycopg
-        pipeline mode).
+        1,000 to a statement (:data:`skipjack.enqueue.CHUNK_JOBS`) in one transaction (on the
+        app's own connection each is sent without waiting for the previous one's result:
+        psycopg pipeline mode).
 
         Args:
             jobs: specs from :meth:`Task.job`, any iterable. Without ``conn`` it is read as the
@@ -465,53 +438,17 @@ class App(Control):
                 was written (a transaction of the caller's is then failed, as after any
                 refused statement: roll it back).
         """
-        chunks = _chunks(jobs)
-        if conn is not None:
-            chunks = iter(list(chunks))
-        first = next(chunks, None)  # checked before taking a connection
-        if first is None:
+        plan = enqueuing.Plan(self.queries, jobs, read_all=conn is not None)
+        if plan.empty:  # checked before taking a connection
             return []
         try:
             if conn is None:
                 with self._sync_pool().connection() as own:
-                    return self._enqueue_on(own, first, chunks, pipelined=True)
-            return self._enqueue_on(conn, first, chunks, pipelined=False)
+                    return enqueuing.run(own, plan, pipelined=True)
+            return enqueuing.run(conn, plan, pipelined=False)
         except psycopg.errors.UndefinedTable as exc:
-            self._note_not_migrated(exc)
+            enqueuing.note_not_migrated(exc, self.schema)
             raise
-
-    def _enqueue_on(self, conn: psycopg.Connection[Any], first: _Chunk,
-                    chunks: Iterator[_Chunk], *, pipelined: bool) -> list[int]:
-        """Write the chunks (specs, whether more follow): on the app's own connection in
-        pipeline mode; on a caller's one statement after the other (pipeline mode there would
-        be the caller's to choose, and psycopg refuses it after a ``stream()``)."""
-        specs, more = first
-        # tuple rows, whatever the row factory of the caller's connection
-        atomic = conn.transaction() if _needs_transaction(conn, more) else nullcontext()
-        with atomic, conn.cursor(row_factory=tuple_row) as cur:
-            cursors: list[psycopg.Cursor[tuple[Any, ...]]] = []
-            with conn.pipeline() if pipelined and more else nullcontext():
-                for chunk, _ in chain([first], chunks):
-                    if chunk is not specs:
-                        specs += chunk
-                    cursors.append(sent := conn.cursor(row_factory=tuple_row) if cursors else cur)
-                    sent.execute(*_enqueue_statement(self.queries, chunk))
-            rows = [row for sent in cursors for row in sent.fetchall()]
-            return self._resolve_keys(cur, specs, rows)
-
-    def _resolve_keys(self, cur: psycopg.Cursor[tuple[Any, ...]], specs: list[JobSpec],
-                      rows: list[tuple[int, str | None]]) -> list[int]:
-        """The ids in input order, reading the ids of keys already held (see _KEY_ROUNDS)."""
-        q = self.queries
-        existing: list[tuple[int, str]] = []
-        for _ in range(_KEY_ROUNDS):
-            missing = _missing_keys(specs, [*rows, *existing])
-            if not missing:
-                break
-            existing += cur.execute(q.EXISTING_KEYS, {"keys": missing}).fetchall()
-            for chunk, _ in _chunks(_specs_to_retry(specs, [*rows, *existing])):
-                rows += cur.execute(*_enqueue_statement(q, chunk)).fetchall()
-        return _assign_ids(specs, rows, existing)
 
     async def enqueue_async(
         self, job: JobSpec, *, conn: psycopg.AsyncConnection[Any] | None = None
@@ -523,185 +460,26 @@ class App(Control):
         self, jobs: Iterable[JobSpec], *, conn: psycopg.AsyncConnection[Any] | None = None
     ) -> list[int]:
         """Async :meth:`enqueue_many`; ``conn`` is the caller's async connection."""
-        chunks = _chunks(jobs)
-        if conn is not None:
-            chunks = iter(list(chunks))
-        first = next(chunks, None)
-        if first is None:
+        plan = enqueuing.Plan(self.queries, jobs, read_all=conn is not None)
+        if plan.empty:
             return []
         try:
             if conn is None:
                 async with (await self._async_pool()).connection() as own:
-                    return await self._enqueue_on_async(own, first, chunks, pipelined=True)
-            return await self._enqueue_on_async(conn, first, chunks, pipelined=False)
+                    return await enqueuing.run_async(own, plan, pipelined=True)
+            return await enqueuing.run_async(conn, plan, pipelined=False)
         except psycopg.errors.UndefinedTable as exc:
-            self._note_not_migrated(exc)
+            enqueuing.note_not_migrated(exc, self.schema)
             raise
 
-    def _note_not_migrated(self, exc: psycopg.errors.UndefinedTable) -> None:
-        """Say what to do when the missing relation is one of skipjack's (not, say, a table
-        the caller's iterable read)."""
-        if f'relation "{self.schema}.' in (exc.diag.message_primary or ""):
-            exc.add_note(f"skipjack: schema {self.schema!r} has no skipjack tables on this "
-                         "database: run `skipjack migrate` (or App.migrate()) first, or check "
-                         "the schema name")
 
-    async def _enqueue_on_async(self, conn: psycopg.AsyncConnection[Any], first: _Chunk,
-                                chunks: Iterator[_Chunk], *, pipelined: bool) -> list[int]:
-        specs, more = first
-        atomic = conn.transaction() if _needs_transaction(conn, more) else nullcontext()
-        async with atomic, conn.cursor(row_factory=tuple_row) as cur:
-            cursors: list[psycopg.AsyncCursor[tuple[Any, ...]]] = []
-            async with conn.pipeline() if pipelined and more else nullcontext():
-                for chunk, _ in chain([first], chunks):
-                    if chunk is not specs:
-                        specs += chunk
-                    cursors.append(sent := conn.cursor(row_factory=tuple_row) if cursors else cur)
-                    await sent.execute(*_enqueue_statement(self.queries, chunk))
-            rows = [row for sent in cursors for row in await sent.fetchall()]
-            return await self._resolve_keys_async(cur, specs, rows)
+@dataclass(frozen=True)
+class CronEntry:
+    """A task enqueued on a schedule, with fixed keyword arguments; ``grace`` is seconds
+    after its slot within which a missed run still happens (see :mod:`skipjack.cron`)."""
 
-    async def _resolve_keys_async(self, cur: psycopg.AsyncCursor[tuple[Any, ...]],
-                                  specs: list[JobSpec],
-                                  rows: list[tuple[int, str | None]]) -> list[int]:
-        q = self.queries
-        existing: list[tuple[int, str]] = []
-        for _ in range(_KEY_ROUNDS):
-            missing = _missing_keys(specs, [*rows, *existing])
-            if not missing:
-                break
-            existing += await (await cur.execute(q.EXISTING_KEYS, {"keys": missing})).fetchall()
-            for chunk, _ in _chunks(_specs_to_retry(specs, [*rows, *existing])):
-                rows += await (await cur.execute(*_enqueue_statement(q, chunk))).fetchall()
-        return _assign_ids(specs, rows, existing)
-
-
-CRON_NAME_MAX_BYTES = 224
-
-# A bulk enqueue writes at most this many jobs, or this many characters of args, per
-# statement (a statement must stay well under PostgreSQL's 1 GiB message limit; a larger job,
-# up to max_args_bytes, is a statement of its own). 10,000 jobs from a generator: 1,000 per
-# statement took 61 ms, 500 66 ms, 2,000 74 ms, one statement after the whole list 95-101 ms
-# (docs/performance.md).
-CHUNK_JOBS = 1000
-CHUNK_MAX_CHARS = 32 * 1024 * 1024
-
-_Chunk = tuple[list[JobSpec], bool]
-
-
-def _chunks(jobs: Iterable[JobSpec]) -> Iterator[_Chunk]:
-    """The specs in chunks of at most CHUNK_JOBS jobs and CHUNK_MAX_CHARS characters of args,
-    each with whether another follows; refuses an item that is not a JobSpec."""
-    chunk: list[JobSpec] = []
-    chars = 0
-    for i, spec in enumerate(jobs):
-        if not isinstance(spec, JobSpec):
-            raise ValidationError(
-                f"jobs[{i}]", f"must be a JobSpec (from Task.job()), got {type(spec).__name__}"
-            )
-        size = len(spec.args_json)
-        if chunk and (len(chunk) == CHUNK_JOBS or chars + size > CHUNK_MAX_CHARS):
-            yield chunk, True
-            chunk, chars = [], 0
-        chunk.append(spec)
-        chars += size
-    if chunk:
-        yield chunk, False
-
-
-def _iso(values: list[Any]) -> list[Any]:
-    return [None if v is None else v.isoformat() for v in values]
-
-
-# The columns of a bulk enqueue besides args: (JobSpec attribute, statement parameter,
-# array literal of a list of values, conversion of the values first). run_at goes as ISO 8601
-# text: datetimes equal in Python may still differ in their offset (the two 02:30 of a night
-# when the clocks go back compare equal), and the text keeps them apart.
-_BULK_COLUMNS: tuple[tuple[str, str, Callable[[list[Any]], str],
-                           Callable[[list[Any]], list[Any]] | None], ...] = (
-    ("queue", "queue", text_array, None),
-    ("task", "task", text_array, None),
-    ("priority", "priority", number_array, None),
-    ("max_attempts", "max_attempts", number_array, None),
-    ("run_at", "run_at", text_array, _iso),
-    ("delay", "delay", number_array, None),
-    ("idempotency_key", "idempotency_key", text_array, None),
-    ("lease", "lease_seconds", number_array, None),
-    ("unique_states", "unique_states", number_array, None),
-)
-
-
-def _enqueue_statement(q: Queries, specs: list[JobSpec]) -> tuple[bytes, dict[str, Any]]:
-    """ENQUEUE_ONE with plain values for one job, else ENQUEUE with args as one array
-    literal (see :func:`~skipjack.queries.text_array`) and each other column as one value
-    when every job shares it, else as an array literal; their *_NO_KEYS forms when no job
-    has an idempotency key."""
-    keyed = any(s.idempotency_key is not None for s in specs)
-    if len(specs) == 1:
-        s = specs[0]
-        return q.ENQUEUE_ONE if keyed else q.ENQUEUE_ONE_NO_KEYS, {
-            "queue": s.queue, "task": s.task, "args": s.args_json, "priority": s.priority,
-            "max_attempts": s.max_attempts, "run_at": s.run_at, "delay": s.delay,
-            "idempotency_key": s.idempotency_key, "lease_seconds": s.lease,
-            "unique_states": s.unique_states}
-    params: dict[str, Any] = {"args": text_array([s.args_json for s in specs])}
-    for attr, name, array, convert in _BULK_COLUMNS:
-        values = list(map(attrgetter(attr), specs))
-        if convert is not None:
-            values = convert(values)
-        if values.count(values[0]) == len(values):
-            params[name], params["same_" + name] = None, values[0]
-        else:
-            params[name], params["same_" + name] = array(values), None
-    return q.ENQUEUE if keyed else q.ENQUEUE_NO_KEYS, params
-
-
-def _needs_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
-                       several: bool) -> bool:
-    """Whether several statements need a transaction of their own: on an autocommit
-    connection outside any (the app's own, or a caller's). One statement is atomic, and a
-    caller's open transaction already holds them all."""
-    return (several and conn.autocommit
-            and conn.info.transaction_status == TransactionStatus.IDLE)
-
-
-# A key whose holder finished between our insert and our look-up of its id is free again:
-# such jobs are inserted anew, for at most this many rounds.
-_KEY_ROUNDS = 3
-
-
-def _specs_to_retry(specs: list[JobSpec], rows: list[tuple[int, str | None]]) -> list[JobSpec]:
-    missing = set(_missing_keys(specs, rows))
-    return [s for s in specs if s.idempotency_key in missing]
-
-
-def _missing_keys(specs: list[JobSpec], rows: list[tuple[int, str | None]]) -> list[str]:
-    inserted = {key for _, key in rows if key is not None}
-    return sorted({s.idempotency_key for s in specs
-                   if s.idempotency_key is not None and s.idempotency_key not in inserted})
-
-
-def _assign_ids(
-    specs: list[JobSpec],
-    rows: list[tuple[int, str | None]],
-    existing: list[tuple[int, str]],
-) -> list[int]:
-    """Map returned rows back to input order: keyed jobs by key, the rest by id order
-    (rows were inserted in input order, so their identity values ascend with it)."""
-    if not existing and len(rows) == len(specs) and all(key is None for _, key in rows):
-        return sorted(job_id for job_id, _ in rows)  # no keys: the common bulk case
-    by_key = {key: job_id for job_id, key in existing}
-    by_key.update({key: job_id for job_id, key in rows if key is not None})
-    unkeyed = iter(sorted(job_id for job_id, key in rows if key is None))
-    ids = []
-    for spec in specs:
-        if spec.idempotency_key is None:
-            ids.append(next(unkeyed))
-        elif spec.idempotency_key in by_key:
-            ids.append(by_key[spec.idempotency_key])
-        else:
-            raise DuplicateJobError(
-                f"idempotency_key {spec.idempotency_key!r} is taken by a job not visible to "
-                "this transaction (uncommitted elsewhere, or committed after its snapshot)"
-            )
-    return ids
+    name: str
+    schedule: CronSchedule
+    task: Task
+    args: dict[str, Any]
+    grace: float = 600.0

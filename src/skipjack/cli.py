@@ -45,7 +45,7 @@ def load_app(path: str, dsn: str | None, schema: str | None) -> App:
     if not isinstance(app, App):
         raise click.BadParameter(f"{path!r} is not a skipjack App")
     if dsn:
-        app._dsn = dsn
+        app.db.dsn = dsn
     if schema and schema != app.schema:
         raise click.BadParameter(f"--schema (or $SKIPJACK_SCHEMA) {schema!r} differs from the "
                                  f"app's schema {app.schema!r}")
@@ -109,7 +109,7 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
            stage_interval: float, retention: str | None, discarded_retention: str | None,
            prefetch: int | None, fairness_every: int, name: str, migrate: bool) -> None:
     """Run a worker for the tasks of MODULE:APP."""
-    from .worker import Worker
+    from .runtime.worker import Worker
 
     app = load_app(app_path, ctx.obj["dsn"], ctx.obj["schema"])
     w = Worker(app, list(queues), concurrency=concurrency, batch_size=batch_size, lease=lease,

@@ -6,7 +6,7 @@ import contextvars
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from .errors import JobCancelled
 
@@ -34,6 +34,11 @@ class Job:
     lease: float  # seconds: the job's own lease, else the worker's
 
 
+# Why the worker took a job from its handler; it decides what is recorded (see
+# skipjack.outcome.decide): nothing for a lost lease, "cancelled" for a requested cancel, a
+# failed attempt for a timeout, and a release (the attempt not counted) for a shutdown.
+CancelCause = Literal["lease lost", "cancel requested", "timed out", "shutdown"]
+
 _EVENT_LOCK = threading.Lock()
 
 
@@ -41,13 +46,16 @@ _EVENT_LOCK = threading.Lock()
 class JobContext:
     """The running job and its cancellation flag.
 
-    ``cancelled`` is set when the worker lost the job's lease (another worker may own it now)
-    or is shutting down past its grace period. Async handlers are also cancelled outright;
-    long sync handlers should check :meth:`raise_if_cancelled` between steps.
+    ``cancelled`` is set when the worker lost the job's lease (another worker may own it now),
+    the job's cancellation was requested, it timed out, or the worker is shutting down past
+    its grace period; ``cause`` then says which and ``reason`` says it for people. Async
+    handlers are also cancelled outright; long sync handlers should check
+    :meth:`raise_if_cancelled` between steps.
     """
 
     job: Job
     reason: str = ""
+    cause: CancelCause | None = None
     conn: Any = None  # the job's transaction connection (tasks with transaction="complete")
     _event: threading.Event | None = field(default=None, repr=False)
 
@@ -66,9 +74,17 @@ class JobContext:
         """Whether the job was taken from its handler (see ``cancelled``)."""
         return self._event is not None and self._event.is_set()
 
-    def cancel(self, reason: str) -> None:
-        """Set the cancellation flag with a reason."""
+    @property
+    def cancellation(self) -> tuple[CancelCause, str] | None:
+        """(cause, reason) once the job was taken from its handler, else None."""
+        if not self.is_cancelled:
+            return None
+        return self.cause or "shutdown", self.reason
+
+    def cancel(self, reason: str, cause: CancelCause = "shutdown") -> None:
+        """Set the cancellation flag, with a reason for people and its ``cause``."""
         self.reason = reason
+        self.cause = cause
         self.cancelled.set()
 
     def raise_if_cancelled(self) -> None:

@@ -23,24 +23,19 @@ A schedule seen for the first time runs its most recent slot if that is at most 
 seconds old and records none as missed (it did not exist then).
 
 Each slot is a row of ``cron_slots`` (primary key name + slot), inserted in the same
-transaction as its job, so any number of schedulers enqueue a slot at most once.
+transaction as its job, so any number of schedulers enqueue a slot at most once (the
+scheduler pass is :func:`skipjack.runtime.maintenance.schedule_due`).
 """
 
 from __future__ import annotations
 
 import calendar
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-import psycopg
-
 from .errors import ValidationError
-
-if TYPE_CHECKING:
-    from .app import App, Task
 
 _MACROS = {"@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *",
            "@weekly": "0 0 * * 0", "@daily": "0 0 * * *", "@midnight": "0 0 * * *",
@@ -153,20 +148,21 @@ def _instants(wall: datetime, zone: ZoneInfo, both_folds: bool) -> Iterator[date
             yield second.astimezone(UTC)
 
 
-@dataclass(frozen=True)
-class CronEntry:
-    """A task enqueued on a schedule, with fixed keyword arguments."""
+class Planned(Protocol):
+    """What :func:`plan` reads of a cron entry (see :class:`skipjack.app.CronEntry`)."""
 
-    name: str
-    schedule: CronSchedule
-    task: Task
-    args: dict[str, Any]
-    grace: float = 600.0
+    @property
+    def schedule(self) -> CronSchedule: ...
+
+    @property
+    def grace(self) -> float: ...  # seconds
 
 
-def plan(entry: CronEntry, last_slot: datetime | None,
+def plan(entry: Planned, last_slot: datetime | None,
          now: datetime) -> tuple[datetime | None, list[datetime]]:
-    """Apply the misfire policy: (the slot to enqueue or None, the slots to record missed)."""
+    """Apply the misfire policy to ``entry`` at ``now`` (aware datetimes), given the last slot
+    recorded for it (None for a new schedule): (the slot to enqueue or None, the slots to
+    record as missed)."""
     grace = timedelta(seconds=entry.grace)
     after = last_slot if last_slot is not None else now - grace
     after = max(after, now - timedelta(days=400))
@@ -179,33 +175,3 @@ def plan(entry: CronEntry, last_slot: datetime | None,
     if now - newest <= grace:
         return newest, candidates[:-1][-MAX_MISSED_RECORDED:]
     return None, candidates[-MAX_MISSED_RECORDED:]
-
-
-def schedule_due(app: App, conn: psycopg.Connection[Any], now: datetime | None = None) -> int:
-    """One scheduler pass over every cron entry of ``app``; returns the jobs enqueued.
-
-    Args:
-        app: the application with its cron entries.
-        conn: an autocommit connection.
-        now: the current time (default: the database clock).
-    """
-    q = app.queries
-    if now is None:
-        row = conn.execute(q.DB_NOW).fetchone()
-        now = row[0] if row else datetime.now(UTC)
-    enqueued = 0
-    for entry in app.crons.values():
-        row = conn.execute(q.CRON_LAST_SLOT, {"name": entry.name}).fetchone()
-        slot, missed = plan(entry, row[0] if row else None, now)
-        with conn.transaction():
-            if missed:
-                conn.execute(q.CRON_MISSED, {"name": entry.name, "slots": missed})
-            if slot is not None and conn.execute(
-                    q.CRON_CLAIM_SLOT, {"name": entry.name, "slot": slot}).fetchone():
-                key = f"cron:{entry.name}:{slot.isoformat()}"
-                job_id = app.enqueue(entry.task.configure(idempotency_key=key)
-                                     .job(**entry.args), conn=conn)
-                conn.execute(q.CRON_SET_JOB, {"job_id": job_id, "name": entry.name,
-                                              "slot": slot})
-                enqueued += 1
-    return enqueued

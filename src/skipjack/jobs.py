@@ -33,7 +33,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from .errors import ValidationError
 
@@ -211,14 +211,17 @@ def check_idempotency_key(value: object) -> str | None:
     return value
 
 
-TRANSACTION_MODES = ("none", "complete", "claim")
+# What a handler's database transaction spans (see skipjack.App.task): "none", its job's
+# completion ("complete"), or its job's claim ("claim").
+TransactionMode = Literal["none", "complete", "claim"]
+TRANSACTION_MODES: tuple[TransactionMode, ...] = ("none", "complete", "claim")
 
 
-def check_transaction(value: object) -> str:
+def check_transaction(value: object) -> TransactionMode:
     """Raises ValidationError unless ``value`` is one of :data:`TRANSACTION_MODES`."""
     if value not in TRANSACTION_MODES:
         raise ValidationError("transaction", f"{value!r} is not one of {TRANSACTION_MODES}")
-    return str(value)
+    return value  # narrowed by the membership test
 
 
 def _reject(obj: object) -> Any:

@@ -16,8 +16,9 @@ from importlib import resources
 
 import psycopg
 
+from .db import channel_name
 from .errors import SchemaVersionError
-from .queries import Queries, render
+from .sql import Queries, render
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,6 @@ def migrations() -> list[Migration]:
 
 
 LATEST_VERSION = migrations()[-1].version
-
-
-def channel_name(schema: str) -> str:
-    """The LISTEN/NOTIFY channel of a schema's jobs table (at most 25 bytes)."""
-    return "skipjack_" + hashlib.sha1(schema.encode()).hexdigest()[:16]
 
 
 def _lock_key(schema: str) -> int:

@@ -5,8 +5,9 @@ For the attempt that just failed (``attempt`` >= 1)::
     ceiling = min(cap, base * 2 ** attempt)
     delay   = ceiling / 2 + uniform(0, ceiling / 2)
 
-The exponential term is the articles' ``2^attempt`` seconds (with ``base`` = 1 s). The jitter is
-the "equal jitter" variant of Marc Brooker, "Exponential Backoff And Jitter", AWS Architecture
+The exponential term is the ``2^attempt`` seconds of the article "PostgreSQL navbat: FOR UPDATE
+SKIP LOCKED bilan Redis'siz fon vazifalari" (with ``base`` = 1 s). The jitter is the "equal
+jitter" variant of Marc Brooker, "Exponential Backoff And Jitter", AWS Architecture
 Blog, 2015: it keeps at least half of the backoff (no immediate retry) while spreading a burst
 of failures over the other half, which breaks up retry storms. The exponent is clamped before
 it is computed, so no attempt count overflows.

@@ -16,8 +16,7 @@ from typing import Any
 
 import psycopg
 
-from .queries import Queries
-from .reconnect import Backoff as ReconnectBackoff
+from ..db import Database, ReconnectDelay
 
 log = logging.getLogger("skipjack.heartbeat")
 
@@ -66,12 +65,11 @@ class Leases:
             return len(self.by_id)
 
 
-class Heartbeat(threading.Thread):
+class HeartbeatThread(threading.Thread):
     """Renews the leases of this worker's running jobs every ``interval`` seconds.
 
     Args:
-        connect: opens a new autocommit connection.
-        queries: the app's statements.
+        db: the app's database.
         leases: the shared running set.
         lease: the worker's lease length in seconds (a job may carry its own).
         interval: seconds between renewals (< lease / 2, checked by the worker).
@@ -85,8 +83,7 @@ class Heartbeat(threading.Thread):
 
     def __init__(
         self,
-        connect: Callable[[], psycopg.Connection[Any]],
-        queries: Queries,
+        db: Database,
         leases: Leases,
         *,
         lease: float,
@@ -95,8 +92,7 @@ class Heartbeat(threading.Thread):
         on_cancel: Callable[[int, int], None],
     ) -> None:
         super().__init__(name="skipjack-heartbeat", daemon=True)
-        self._connect = connect
-        self._q = queries
+        self._db = db
         self._leases = leases
         self._lease = lease
         self._interval = interval
@@ -104,7 +100,7 @@ class Heartbeat(threading.Thread):
         self._on_cancel = on_cancel
         self._stop_event = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
-        self._reconnect = ReconnectBackoff()
+        self._reconnect = ReconnectDelay()
         self._cancelled: set[tuple[int, int]] = set()
 
     def stop(self) -> None:
@@ -136,9 +132,9 @@ class Heartbeat(threading.Thread):
             return
         started = time.monotonic()
         if self._conn is None or self._conn.closed:
-            self._conn = self._connect()
+            self._conn = self._db.connect()
         rows = self._conn.execute(
-            self._q.HEARTBEAT,
+            self._db.queries.HEARTBEAT,
             {"lease": self._lease, "min_lease": 3 * self._interval, "id": [x.id for x in held],
              "lease_version": [x.lease_version for x in held]},
         ).fetchall()

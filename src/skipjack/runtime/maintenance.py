@@ -2,7 +2,7 @@
 
 - the stager makes due scheduled jobs available and wakes their queues;
 - the rescuer returns jobs whose lease expired to their queue, or to the dead letter;
-- the cron scheduler enqueues each due slot once (see :mod:`skipjack.cron`);
+- the cron scheduler enqueues each due slot once (:func:`schedule_due`);
 - the pruner deletes finished jobs past their retention.
 
 None of them needs a leader: each takes its rows with ``SKIP LOCKED`` (so none
@@ -20,21 +20,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from datetime import UTC, datetime
+from typing import Any
 
 import psycopg
 
-from .completer import connection_lost
-from .cron import schedule_due
-from .migrate import channel_name
-from .queries import Queries
-from .reconnect import Backoff as ReconnectBackoff
-
-if TYPE_CHECKING:
-    from .app import App
+from ..admin import BATCH, notify, prune
+from ..app import App
+from ..cron import plan
+from ..db import Database, ReconnectDelay, channel_name, connection_lost
+from ..sql import Queries
 
 log = logging.getLogger("skipjack.maintenance")
-BATCH = 1000
 
 
 def rescue(conn: psycopg.Connection[Any], queries: Queries,
@@ -65,13 +62,6 @@ def rescue(conn: psycopg.Connection[Any], queries: Queries,
     return [(r[0], r[1]) for r in rows]
 
 
-def notify(conn: psycopg.Connection[Any], queries: Queries, queues: set[str]) -> None:
-    """Wake the workers of ``queues`` (delivered when ``conn``'s transaction commits)."""
-    if queues:
-        conn.execute(queries.NOTIFY_QUEUES, {"channel": channel_name(queries.schema),
-                                             "queues": sorted(queues)})
-
-
 def stage(conn: psycopg.Connection[Any], queries: Queries, schema: str,
           limit: int = BATCH) -> dict[str, int]:
     """Make up to ``limit`` due scheduled jobs available; returns {queue: jobs staged}."""
@@ -80,35 +70,49 @@ def stage(conn: psycopg.Connection[Any], queries: Queries, schema: str,
     return {r[0]: r[1] for r in rows}
 
 
-def prune(conn: psycopg.Connection[Any], queries: Queries, *, retention: float,
-          discarded_retention: float | None = None, limit: int = BATCH) -> int:
-    """Delete finished jobs past their retention, one batch per state group.
+def schedule_due(app: App, conn: psycopg.Connection[Any], now: datetime | None = None) -> int:
+    """One cron scheduler pass over every cron entry of ``app``; returns the jobs enqueued.
+
+    Each due slot is claimed (a ``cron_slots`` row) in the same transaction as its job, so
+    any number of schedulers enqueue it at most once; slots the misfire policy skips are
+    recorded as missed (see :mod:`skipjack.cron`).
 
     Args:
-        retention: seconds to keep succeeded and cancelled jobs.
-        discarded_retention: seconds to keep discarded jobs (the dead letter); None keeps
-            them for ten times ``retention``.
-        limit: the most rows deleted per group in this call.
+        app: the application with its cron entries.
+        conn: an autocommit connection.
+        now: the current time (default: the database clock).
 
-    Returns:
-        The number of jobs deleted.
+    Raises:
+        psycopg.Error: the database refused a statement or could not be reached; the entry
+            being scheduled is rolled back.
     """
-    deleted = 0
-    for states, age in ((["succeeded", "cancelled"], retention),
-                        (["discarded"], 10 * retention if discarded_retention is None
-                         else discarded_retention)):
-        rows = conn.execute(queries.PRUNE, {"age": age, "states": states,
-                                            "limit": limit}).fetchall()
-        deleted += len(rows)
-    conn.execute(queries.PRUNE_CRON, {"age": max(retention, 86400.0)})
-    return deleted
+    q = app.queries
+    if now is None:
+        row = conn.execute(q.DB_NOW).fetchone()
+        now = row[0] if row else datetime.now(UTC)
+    enqueued = 0
+    for entry in app.crons.values():
+        row = conn.execute(q.CRON_LAST_SLOT, {"name": entry.name}).fetchone()
+        slot, missed = plan(entry, row[0] if row else None, now)
+        with conn.transaction():
+            if missed:
+                conn.execute(q.CRON_MISSED, {"name": entry.name, "slots": missed})
+            if slot is not None and conn.execute(
+                    q.CRON_CLAIM_SLOT, {"name": entry.name, "slot": slot}).fetchone():
+                key = f"cron:{entry.name}:{slot.isoformat()}"
+                job_id = app.enqueue(entry.task.configure(idempotency_key=key)
+                                     .job(**entry.args), conn=conn)
+                conn.execute(q.CRON_SET_JOB, {"job_id": job_id, "name": entry.name,
+                                              "slot": slot})
+                enqueued += 1
+    return enqueued
 
 
-def _stage_and_wake(conn: psycopg.Connection[Any], app: App,
+def _stage_and_wake(conn: psycopg.Connection[Any], db: Database,
                     on_staged: Callable[[str], None]) -> None:
     """Stage batch after batch (at most 50 per run) while full batches come back."""
     for _ in range(50):
-        staged = stage(conn, app.queries, app.schema)
+        staged = stage(conn, db.queries, db.schema)
         for queue in staged:
             on_staged(queue)
         if sum(staged.values()) < BATCH:
@@ -129,30 +133,33 @@ class Maintenance(threading.Thread):
     """Runs the stager, rescuer, cron scheduler and pruner on a connection of its own.
 
     Args:
-        app: the application.
+        db: the app's database.
         stage_interval, rescue_interval: seconds.
         retention: seconds to keep finished jobs (None: this worker does not prune).
         discarded_retention: seconds to keep discarded jobs (see :func:`prune`).
         on_staged: called (from this thread) with each queue that got runnable jobs.
+        cron: the cron scheduler's pass (run every second), or None when the app has no
+            cron entries.
 
     Each duty's first run is at a random point of its first interval and later runs are
     jittered by +-20%, so many workers spread out.
     """
 
-    def __init__(self, app: App, *, stage_interval: float, rescue_interval: float,
+    def __init__(self, db: Database, *, stage_interval: float, rescue_interval: float,
                  retention: float | None, discarded_retention: float | None,
-                 on_staged: Callable[[str], None]) -> None:
+                 on_staged: Callable[[str], None],
+                 cron: Callable[[psycopg.Connection[Any]], object] | None = None) -> None:
         super().__init__(name="skipjack-maintenance", daemon=True)
-        self._app = app
+        self._db = db
         self._stop_event = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
-        q = app.queries
+        q = db.queries
         self._duties = [
-            Duty("stager", stage_interval, lambda c: _stage_and_wake(c, app, on_staged)),
+            Duty("stager", stage_interval, lambda c: _stage_and_wake(c, db, on_staged)),
             Duty("rescuer", rescue_interval, lambda c: rescue(c, q)),
         ]
-        if app.crons:
-            self._duties.append(Duty("cron", 1.0, lambda c: schedule_due(app, c)))
+        if cron is not None:
+            self._duties.append(Duty("cron", 1.0, cron))
         if retention is not None:
             self._duties.append(Duty("pruner", 10.0, lambda c: prune(
                 c, q, retention=retention, discarded_retention=discarded_retention)))
@@ -165,7 +172,7 @@ class Maintenance(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
-        backoff = ReconnectBackoff()
+        backoff = ReconnectDelay()
         tick = min(d.interval for d in self._duties)
         while not self._stop_event.wait(tick):
             for duty in self._duties:
@@ -173,7 +180,7 @@ class Maintenance(threading.Thread):
                     continue
                 try:
                     if self._conn is None or self._conn.closed:
-                        self._conn = self._app.connect()
+                        self._conn = self._db.connect()
                     duty.run(self._conn)
                     backoff.reset()
                 except psycopg.Error as exc:

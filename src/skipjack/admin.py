@@ -1,5 +1,7 @@
 """Operating the queue: inspect jobs, cancel them, re-enqueue the dead letter, pause and limit
-queues, prune history. :class:`skipjack.App` has these methods."""
+queues, prune history. :class:`skipjack.App` has these methods (:class:`Admin`).
+
+:func:`prune` and :func:`notify` are also the worker's maintenance duties' own steps."""
 
 from __future__ import annotations
 
@@ -11,19 +13,68 @@ from typing import Any
 import psycopg
 import psycopg.rows
 
+from .db import Database, channel_name
 from .errors import ValidationError
 from .jobs import QUEUE_MAX_BYTES, check_name
-from .maintenance import BATCH, notify, prune
-from .queries import Queries
+from .sql import Queries
+
+# Rows per statement of every batched operation (cancel, prune, stage, rescue), so none holds
+# many row locks at once.
+BATCH = 1000
 
 
-class Control:
-    """Methods of :class:`skipjack.App` for people and operators (mixed into App)."""
+def notify(conn: psycopg.Connection[Any], queries: Queries, queues: set[str]) -> None:
+    """Wake the workers of ``queues`` (delivered when ``conn``'s transaction commits)."""
+    if queues:
+        conn.execute(queries.NOTIFY_QUEUES, {"channel": channel_name(queries.schema),
+                                             "queues": sorted(queues)})
 
-    queries: Queries
+
+def prune(conn: psycopg.Connection[Any], queries: Queries, *, retention: float,
+          discarded_retention: float | None = None, limit: int = BATCH) -> int:
+    """Delete finished jobs past their retention, one batch per state group.
+
+    Args:
+        retention: seconds to keep succeeded and cancelled jobs.
+        discarded_retention: seconds to keep discarded jobs (the dead letter); None keeps
+            them for ten times ``retention``.
+        limit: the most rows deleted per group in this call.
+
+    Returns:
+        The number of jobs deleted.
+
+    Raises:
+        psycopg.Error: the database refused a statement or could not be reached.
+    """
+    deleted = 0
+    for states, age in ((["succeeded", "cancelled"], retention),
+                        (["discarded"], 10 * retention if discarded_retention is None
+                         else discarded_retention)):
+        rows = conn.execute(queries.PRUNE, {"age": age, "states": states,
+                                            "limit": limit}).fetchall()
+        deleted += len(rows)
+    conn.execute(queries.PRUNE_CRON, {"age": max(retention, 86400.0)})
+    return deleted
+
+
+class Admin:
+    """Methods of :class:`skipjack.App` for people and operators (mixed into App, which sets
+    ``db``)."""
+
+    db: Database
+
+    @property
+    def queries(self) -> Queries:
+        """The statements of this app's schema."""
+        return self.db.queries
 
     def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
-        raise NotImplementedError  # provided by App
+        """A new sync connection to the app's database (autocommit unless told otherwise).
+
+        Raises:
+            psycopg.OperationalError: the database cannot be reached.
+        """
+        return self.db.connect(**kwargs)
 
     # --- inspection ----------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Outcomes of attempts, and the completer that records them in fenced batches.
+"""The completer: records outcomes of attempts in fenced batches.
 
 The completer writes every outcome that piled up while its previous write ran, in one
 statement (``RECORD_OUTCOMES``), so a busy worker spends far less than one round trip per job.
@@ -11,39 +11,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 
-from .context import Job
+from ..db import Database, ReconnectDelay, close_quietly, connection_lost
+from ..outcome import Outcome, outcome_params
 from .heartbeat import Leases
-from .jobs import ERROR_MAX_CHARS, safe_str, scrub_text
-from .reconnect import Backoff as ReconnectBackoff
-
-if TYPE_CHECKING:
-    from .app import App
 
 log = logging.getLogger("skipjack.worker")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What became of one attempt; ``kind`` is complete, retry, discard or release.
-
-    ``delay`` is seconds until the job is runnable again (retry, release); ``result`` and
-    ``error`` are JSON text.
-    """
-
-    id: int
-    lease_version: int
-    queue: str
-    kind: str
-    delay: float = 0.0
-    result: str | None = None
-    error: str | None = None
 
 
 @dataclass
@@ -59,35 +37,6 @@ class WorkerStats:
     leases_lost: int = 0
 
 
-def outcome_params(batch: Sequence[Outcome]) -> dict[str, str]:
-    """Bind values of ``RECORD_OUTCOMES`` for a batch: one JSON array of objects with the
-    keys id, lease_version, kind, delay (seconds), result and error (JSON text or null)."""
-    return {"outcomes": json.dumps([
-        {"id": o.id, "lease_version": o.lease_version, "kind": o.kind, "delay": o.delay,
-         "result": o.result, "error": o.error} for o in batch], ensure_ascii=False)}
-
-
-def error_json(job: Job, exc: BaseException) -> str:
-    """The error entry stored for a failed attempt: NUL-free, the message capped at 4,000
-    characters and the traceback at its last 16,000; never fails, whatever ``exc`` does."""
-    try:
-        tb = "".join(traceback.format_exception(exc))
-    except Exception:
-        tb = "<traceback could not be formatted>"
-    message = f"{type(exc).__name__}: {safe_str(exc)}"
-    return json.dumps({
-        "attempt": job.attempt,
-        "error": scrub_text(message[:ERROR_MAX_CHARS]),
-        "traceback": scrub_text(tb[-16_000:]),
-    }, ensure_ascii=False)
-
-
-def connection_lost(exc: BaseException) -> bool:
-    """Did the database connection itself fail (as opposed to a statement)?"""
-    return isinstance(exc, psycopg.OperationalError) and not isinstance(
-        exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
-
-
 # While other jobs are still running, a batch smaller than LINGER_BATCH waits LINGER seconds
 # for more outcomes before it is written: short jobs then share one statement (and one
 # commit) per few milliseconds instead of one per job or two.
@@ -99,7 +48,7 @@ class Completer:
     """Records outcomes in batches on a connection of its own.
 
     Args:
-        app: the application (statements and connections).
+        db: the app's database.
         leases: the running set; a job leaves it once its outcome is written.
         stats: counters to update.
         more_coming: whether more outcomes are on their way (jobs still running); a small
@@ -107,10 +56,10 @@ class Completer:
         on_written: called after each batch is written (the worker may claim again).
     """
 
-    def __init__(self, app: App, leases: Leases, stats: WorkerStats,
+    def __init__(self, db: Database, leases: Leases, stats: WorkerStats,
                  more_coming: Callable[[], bool] = lambda: False,
                  on_written: Callable[[], None] = lambda: None) -> None:
-        self._app = app
+        self._db = db
         self._more_coming = more_coming
         self._on_written = on_written
         self._leases = leases
@@ -139,7 +88,7 @@ class Completer:
     async def run(self) -> None:
         """Write batches until cancelled."""
         conn: psycopg.AsyncConnection[Any] | None = None
-        backoff = ReconnectBackoff()
+        backoff = ReconnectDelay()
         try:
             while True:
                 await self._ready.wait()
@@ -151,8 +100,8 @@ class Completer:
                     self._writing = True
                     try:
                         if conn is None or conn.closed:
-                            conn = await self._app.connect_async()
-                        cur = await conn.execute(self._app.queries.RECORD_OUTCOMES,
+                            conn = await self._db.connect_async()
+                        cur = await conn.execute(self._db.queries.RECORD_OUTCOMES,
                                                  outcome_params(batch))
                         applied = dict(await cur.fetchall())
                         backoff.reset()
@@ -198,7 +147,7 @@ class Completer:
         for o in batch:
             for i, attempt in enumerate((o, o, o, _stripped(o), _stripped(o), _stripped(o))):
                 try:
-                    cur = await conn.execute(self._app.queries.RECORD_OUTCOMES,
+                    cur = await conn.execute(self._db.queries.RECORD_OUTCOMES,
                                              outcome_params([attempt]))
                     applied.update(dict(await cur.fetchall()))
                     break
@@ -236,12 +185,3 @@ def _stripped(o: Outcome) -> Outcome:
     note = json.dumps({"attempt": None, "error": "the outcome's result or error could not be "
                        "stored and was dropped"})
     return Outcome(o.id, o.lease_version, o.queue, o.kind, o.delay, None, note)
-
-
-async def close_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:
-    """Close a connection that may already be broken."""
-    if conn is not None:
-        try:
-            await conn.close()
-        except Exception:  # closing a broken connection must not mask the real error
-            log.debug("close failed", exc_info=True)

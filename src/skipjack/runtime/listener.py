@@ -6,27 +6,22 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import psycopg
 
-from .errors import ConfigError
-from .migrate import channel_name
-from .queries import listen as listen_statement
-from .reconnect import Backoff as ReconnectBackoff
-
-if TYPE_CHECKING:
-    from .app import App
+from ..db import Database, ReconnectDelay
+from ..errors import ConfigError
+from ..sql.schema import listen_statement
 
 log = logging.getLogger("skipjack.worker")
 
 
-async def listen(app: App, on_queue: Callable[[str], None], on_connect: Callable[[], None],
+async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Callable[[], None],
                  health_interval: float) -> None:
     """LISTEN on the app's channel until cancelled.
 
     Args:
-        app: the application.
+        db: the app's database.
         on_queue: called with the queue name of each notification.
         on_connect: called after each (re)connection, so the caller rescans every queue
             (notifications sent while the listener was away are lost).
@@ -34,11 +29,11 @@ async def listen(app: App, on_queue: Callable[[str], None], on_connect: Callable
 
     Database errors never end it: it reconnects with capped exponential backoff.
     """
-    backoff = ReconnectBackoff()
-    statement = listen_statement(channel_name(app.schema))
+    backoff = ReconnectDelay()
+    statement = listen_statement(db.channel)
     while True:
         try:
-            async with await app.connect_async() as conn:
+            async with await db.connect_async() as conn:
                 await conn.execute(statement)
                 backoff.reset()
                 on_connect()
@@ -52,7 +47,7 @@ async def listen(app: App, on_queue: Callable[[str], None], on_connect: Callable
             await asyncio.sleep(delay)
 
 
-async def probe(app: App, timeout: float = 5.0) -> None:
+async def probe(db: Database, timeout: float = 5.0) -> None:
     """Check that a NOTIFY from one session reaches a LISTEN on another.
 
     Raises:
@@ -61,9 +56,9 @@ async def probe(app: App, timeout: float = 5.0) -> None:
             a worker there would silently fall back to polling; it refuses to start instead.
     """
     channel = f"skipjack_probe_{secrets.token_hex(6)}"
-    async with await app.connect_async() as listener, await app.connect_async() as sender:
+    async with await db.connect_async() as listener, await db.connect_async() as sender:
         await listener.execute(listen_statement(channel))
-        await sender.execute(app.queries.PROBE_NOTIFY, {"channel": channel})
+        await sender.execute(db.queries.PROBE_NOTIFY, {"channel": channel})
         async for _ in listener.notifies(timeout=timeout, stop_after=1):
             return
     raise ConfigError(

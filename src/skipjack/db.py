@@ -1,0 +1,157 @@
+"""Database plumbing shared by every part of skipjack: where the database is, how to connect,
+the schema's notification channel, and how to tell a lost connection from a refused statement.
+
+:class:`Database` is the small handle that components receive instead of the whole
+:class:`~skipjack.App`: a DSN (resolved on first use), a schema and its statements, and
+connection factories with skipjack's connection options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import threading
+from typing import Any
+
+import psycopg
+
+from . import embedded
+from .sql import Queries
+
+log = logging.getLogger("skipjack.db")
+
+# Keepalives let an idle TCP connection that silently died (no RST) fail within about 25 s;
+# tcp_user_timeout does the same for one with unacknowledged data in flight.
+CONNECT_KWARGS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "tcp_user_timeout": 30_000,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "application_name": os.environ.get("SKIPJACK_APPLICATION_NAME", "skipjack"),
+}
+
+
+def resolve_dsn(dsn: str | None = None) -> str:
+    """The DSN to use: ``dsn`` if given, else ``$SKIPJACK_DATABASE_URL``, else
+    ``$DATABASE_URL``, else the embedded server (started on demand)."""
+    return (dsn or os.environ.get("SKIPJACK_DATABASE_URL") or os.environ.get("DATABASE_URL")
+            or embedded.dsn())
+
+
+def safe_dsn(dsn: str) -> str:
+    """The DSN without its password, for logs (``<dsn>`` when it cannot be parsed)."""
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<dsn>"
+    info.pop("password", None)
+    return " ".join(f"{k}={v}" for k, v in info.items())
+
+
+def channel_name(schema: str) -> str:
+    """The LISTEN/NOTIFY channel of a schema's jobs table (at most 25 bytes)."""
+    return "skipjack_" + hashlib.sha1(schema.encode()).hexdigest()[:16]
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Did the database connection itself fail (as opposed to a statement it refused)?"""
+    return isinstance(exc, psycopg.OperationalError) and not isinstance(
+        exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
+
+
+async def close_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:
+    """Close a connection that may already be broken, never raising."""
+    if conn is not None:
+        try:
+            await conn.close()
+        except Exception:  # closing a broken connection must not mask the real error
+            log.debug("close failed", exc_info=True)
+
+
+class ReconnectDelay:
+    """Capped exponential delays (seconds) between attempts to reach the database.
+
+    Delays double from ``base`` up to ``cap``, each with +-25% jitter so that many workers do
+    not reconnect in lockstep after a server restart. A worker never gives up: it keeps trying
+    at the cap (so it logs about once per ``cap`` seconds per component while the database is
+    away). Call :meth:`next` for each wait and :meth:`reset` after a success.
+
+    Args:
+        base: seconds, the first delay (before jitter).
+        cap: seconds, the largest delay (before jitter).
+    """
+
+    def __init__(self, base: float = 0.05, cap: float = 5.0) -> None:
+        self.base = base
+        self.cap = cap
+        self._failures = 0
+
+    def peek(self) -> float:
+        """The un-jittered delay the next call to :meth:`next` is centred on."""
+        return min(self.cap, self.base * 2.0 ** min(self._failures, 32))
+
+    def next(self) -> float:
+        """The delay before the next attempt; each call doubles the following one."""
+        delay = self.peek() * random.uniform(0.75, 1.25)
+        self._failures += 1
+        return delay
+
+    def reset(self) -> None:
+        """Forget past failures (call after a successful connection or statement)."""
+        self._failures = 0
+
+
+class Database:
+    """Where an app's jobs live: a DSN, a schema and its statements, and connections.
+
+    Args:
+        dsn: a libpq connection string or URI; None resolves it on first use with
+            :func:`resolve_dsn` (which may start the embedded server).
+        schema: the schema of skipjack's tables (validated by the caller).
+        prepare: let psycopg prepare statements it runs often; False for a
+            transaction-mode pooler that cannot keep prepared statements.
+    """
+
+    def __init__(self, dsn: str | None, schema: str, *, prepare: bool = True) -> None:
+        self._dsn = dsn
+        self._lock = threading.Lock()
+        self.schema = schema
+        self.queries = Queries(schema)
+        self.channel = channel_name(schema)
+        self.connect_kwargs: dict[str, Any] = {**CONNECT_KWARGS, "autocommit": True}
+        if not prepare:
+            self.connect_kwargs["prepare_threshold"] = None
+
+    @property
+    def dsn(self) -> str:
+        """The resolved connection string (starts the embedded server when it is the one)."""
+        with self._lock:
+            if self._dsn is None:
+                self._dsn = resolve_dsn()
+            return self._dsn
+
+    @dsn.setter
+    def dsn(self, value: str) -> None:
+        with self._lock:
+            self._dsn = value
+
+    def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
+        """A new sync connection (autocommit unless ``kwargs`` say otherwise).
+
+        Raises:
+            psycopg.OperationalError: the database cannot be reached.
+        """
+        return psycopg.connect(self.dsn, **{**self.connect_kwargs, **kwargs})
+
+    async def connect_async(self, **kwargs: Any) -> psycopg.AsyncConnection[Any]:
+        """A new async connection (autocommit unless ``kwargs`` say otherwise).
+
+        Raises:
+            psycopg.OperationalError: the database cannot be reached.
+        """
+        return await psycopg.AsyncConnection.connect(self.dsn,
+                                                     **{**self.connect_kwargs, **kwargs})

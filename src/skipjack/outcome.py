@@ -1,0 +1,119 @@
+"""What became of an attempt: the :class:`Outcome` type, its binding for the fenced outcome
+statement, and :func:`decide`, the one place that turns a handler's result, exception or
+cancellation into an outcome (every execution mode uses it).
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from .app import Task
+from .context import CancelCause, Job
+from .db import connection_lost
+from .errors import Discard, Snooze
+from .jobs import ERROR_MAX_CHARS, dump_result, safe_str, scrub_text
+from .retry import Backoff
+
+# What the outcome statement does with a job (see skipjack.sql.outcomes.RECORD_OUTCOMES):
+# complete -> succeeded; retry -> runnable after the delay, or discarded when its attempts
+# are used up; discard -> the dead letter now; cancel -> cancelled; release -> runnable after
+# the delay, the attempt not counted.
+OutcomeKind = Literal["complete", "retry", "discard", "release", "cancel"]
+
+# The retry policy of a job whose task this worker does not know, and the delay of a release
+# after the job's own database connection was lost.
+DEFAULT_BACKOFF = Backoff()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one attempt of the job ``id`` claimed with fencing token
+    ``lease_version``.
+
+    ``delay`` is seconds until the job is runnable again (retry, release); ``result`` and
+    ``error`` are JSON text (see :func:`error_json`).
+    """
+
+    id: int
+    lease_version: int
+    queue: str
+    kind: OutcomeKind
+    delay: float = 0.0
+    result: str | None = None
+    error: str | None = None
+
+
+def outcome_params(batch: Sequence[Outcome]) -> dict[str, str]:
+    """Bind values of ``RECORD_OUTCOMES`` for a batch: one JSON array of objects with the
+    keys id, lease_version, kind, delay (seconds), result and error (JSON text or null)."""
+    return {"outcomes": json.dumps([
+        {"id": o.id, "lease_version": o.lease_version, "kind": o.kind, "delay": o.delay,
+         "result": o.result, "error": o.error} for o in batch], ensure_ascii=False)}
+
+
+def error_json(job: Job, exc: BaseException) -> str:
+    """The error entry stored for a failed attempt: NUL-free, the message capped at 4,000
+    characters and the traceback at its last 16,000; never fails, whatever ``exc`` does."""
+    try:
+        tb = "".join(traceback.format_exception(exc))
+    except Exception:
+        tb = "<traceback could not be formatted>"
+    message = f"{type(exc).__name__}: {safe_str(exc)}"
+    return json.dumps({
+        "attempt": job.attempt,
+        "error": scrub_text(message[:ERROR_MAX_CHARS]),
+        "traceback": scrub_text(tb[-16_000:]),
+    }, ensure_ascii=False)
+
+
+def decide(job: Job, task: Task | None, *, result: object = None,
+           error: BaseException | None = None,
+           cancelled: tuple[CancelCause, str] | None = None) -> Outcome | None:
+    """The outcome of one attempt.
+
+    Args:
+        job: the claimed job (its id, fencing token, queue and attempt).
+        task: its task, or None when this worker does not know the task.
+        result: what the handler returned (stored as JSON, see
+            :func:`skipjack.jobs.dump_result`).
+        error: what the handler raised, if it raised.
+        cancelled: (cause, reason) when the worker took the job from its handler; it
+            decides before ``result`` or ``error``.
+
+    Returns:
+        None when nothing may be written (the lease was lost: the job belongs to another
+        claim now). Else, in this order: a requested cancellation -> ``cancel``; a shutdown
+        -> ``release`` (the attempt not counted); a timeout -> a failure with
+        ``TimeoutError``; no error -> ``complete``; :class:`~skipjack.Snooze` -> ``release``
+        after its delay; :class:`~skipjack.Discard` -> ``discard``; a lost database
+        connection under a task's own transaction (``transaction`` "complete" or "claim")
+        -> ``release`` after :data:`DEFAULT_BACKOFF`'s first delay (not the job's fault);
+        anything else -> ``retry`` after the task's backoff for this attempt.
+    """
+    if cancelled is not None:
+        cause, reason = cancelled
+        if cause == "lease lost":
+            return None
+        if cause == "cancel requested":
+            return Outcome(job.id, job.lease_version, job.queue, "cancel")
+        if cause != "timed out":  # shutting down
+            return Outcome(job.id, job.lease_version, job.queue, "release")
+        error = TimeoutError(reason)
+    if error is None:
+        return Outcome(job.id, job.lease_version, job.queue, "complete",
+                       result=dump_result(result))
+    if isinstance(error, Snooze):
+        return Outcome(job.id, job.lease_version, job.queue, "release", delay=error.seconds)
+    text = error_json(job, error)
+    if isinstance(error, Discard):
+        return Outcome(job.id, job.lease_version, job.queue, "discard", error=text)
+    if task is not None and task.transaction != "none" and connection_lost(error):
+        return Outcome(job.id, job.lease_version, job.queue, "release",
+                       delay=DEFAULT_BACKOFF.delay(1), error=text)
+    backoff = task.backoff if task is not None else DEFAULT_BACKOFF
+    return Outcome(job.id, job.lease_version, job.queue, "retry",
+                   delay=backoff.delay(job.attempt), error=text)

@@ -1,0 +1,155 @@
+"""Jobs of ``transaction="claim"`` tasks: claimed and run in one open transaction.
+
+A runner claims one job in a transaction, runs its (sync) handler in a thread with
+``current_job().conn`` on that transaction (the handler's writes in a savepoint, so a failed
+handler's writes roll back), records the outcome in the same transaction and commits. A crashed
+worker's job is free again at once: PostgreSQL rolls the claim back. No lease or rescue is
+involved; the session's ``idle_in_transaction_session_timeout`` is set to the longest lease of
+these tasks, so the server ends the transaction of a stalled worker.
+
+Runners grow with the work: each claim that finds a job starts one more runner while slots
+are free, and a runner ends when its queue has no job for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import psycopg
+
+from ..app import Task
+from ..context import Job, JobContext, set_current
+from ..db import Database
+from ..outcome import DEFAULT_BACKOFF, Outcome, decide, outcome_params
+from .completer import Completer, WorkerStats
+from .executor import Executor
+from .slots import Slots
+
+log = logging.getLogger("skipjack.worker")
+
+# (queue, most jobs, claim-mode claim?) -> the claim statement's bind values
+ClaimParams = Callable[[str, int, bool], dict[str, Any]]
+
+
+class ClaimModeRunners:
+    """Starts and tracks the runners of claim-mode tasks.
+
+    Args:
+        db: the app's database.
+        tasks: the app's task registry.
+        queues: the queues this worker serves.
+        slots: the shared capacity state (each runner holds a slot).
+        executor: runs the handlers in its thread pool, on its sync connection pool.
+        completer: counts the outcomes (written by the runners themselves).
+        stats: counters to update.
+        stopping: set when the worker shuts down (no more runners start).
+        claim_params: bind values of the claim statement.
+        lease: seconds, the worker's lease (a task may have its own).
+        on_slot_freed: called when a runner ends.
+    """
+
+    def __init__(self, db: Database, tasks: Mapping[str, Task], queues: Sequence[str],
+                 slots: Slots, executor: Executor, completer: Completer, stats: WorkerStats,
+                 stopping: asyncio.Event, claim_params: ClaimParams, *, lease: float,
+                 on_slot_freed: Callable[[], None]) -> None:
+        self._db = db
+        self._tasks = tasks
+        self._slots = slots
+        self._executor = executor
+        self._completer = completer
+        self._stats = stats
+        self._stopping = stopping
+        self._claim_params = claim_params
+        self._lease = lease
+        self._on_slot_freed = on_slot_freed
+        self.due = dict.fromkeys(queues, True)  # queues that may have claim-mode jobs
+        self.runners: set[asyncio.Task[None]] = set()
+        self.task_names: list[str] = []
+        self._idle_timeout_ms = 0
+
+    def prepare(self) -> None:
+        """Read the app's claim-mode tasks (call when the worker starts)."""
+        mine = [t for t in self._tasks.values() if t.transaction == "claim"]
+        self.task_names = [t.name for t in mine]
+        self._idle_timeout_ms = int(1000 * max([t.lease or self._lease for t in mine],
+                                               default=0))
+
+    def spawn(self, queue: str) -> None:
+        """Start a runner for ``queue``; it holds a slot until it ends."""
+        self._slots.claim_mode += 1
+        runner = asyncio.create_task(self._run(queue), name=f"skipjack-claim-mode-{queue}")
+        self.runners.add(runner)
+        runner.add_done_callback(self.runners.discard)
+
+    def _grow(self, queue: str) -> None:
+        if not self._stopping.is_set() and self._slots.has_free_slot():
+            self.spawn(queue)
+
+    async def _run(self, queue: str) -> None:
+        """Claim and run jobs one at a time until the queue has none for this runner."""
+        loop = asyncio.get_running_loop()
+
+        def grow(queue: str) -> None:  # called from the handler thread
+            try:
+                loop.call_soon_threadsafe(self._grow, queue)
+            except RuntimeError:  # the loop is closed: the worker has stopped
+                pass
+
+        try:
+            while not self._stopping.is_set():
+                try:
+                    outcome, state = await self._executor.in_thread(
+                        functools.partial(self._once, queue, grow))
+                except psycopg.Error as exc:  # the transaction rolled back: the job is free
+                    log.warning("claim-mode claim on %s failed: %s", queue, str(exc).strip())
+                    try:
+                        await asyncio.wait_for(self._stopping.wait(), DEFAULT_BACKOFF.delay(1))
+                    except TimeoutError:
+                        pass
+                    self.due[queue] = True
+                    break
+                if outcome is None:
+                    break
+                self._stats.claimed += 1
+                self._completer.count(outcome, state)
+        finally:
+            self._slots.claim_mode -= 1
+            self._executor.fill()  # a buffered job may have waited for this slot
+            self._on_slot_freed()
+
+    def _once(self, queue: str,
+              on_claimed: Callable[[str], None]) -> tuple[Outcome | None, str | None]:
+        """In a handler thread: claim one job in a transaction, run it, record the outcome in
+        the same transaction, commit. Returns (outcome, new state), or (None, None) when the
+        queue had no job."""
+        q, pool = self._db.queries, self._executor.pool
+        assert pool is not None
+        with pool.connection() as conn, conn.transaction():
+            conn.execute(q.SET_IDLE_TIMEOUT, {"ms": self._idle_timeout_ms})
+            row = conn.execute(q.CLAIM_IN_TRANSACTION,
+                               self._claim_params(queue, 1, True)).fetchone()
+            if row is None:
+                return None, None
+            on_claimed(queue)
+            job = Job(*row)
+            task = self._tasks[job.task]
+            set_current(JobContext(job, conn=conn))
+            outcome: Outcome | None
+            try:
+                args = job.args
+                if args is None:
+                    loaded = conn.execute(q.LOAD_ARGS, {"id": job.id,
+                                                        "lease_version": job.lease_version})
+                    args = (loaded.fetchone() or [{}])[0]
+                with conn.transaction():  # a savepoint: a failed handler's writes roll back
+                    result = task.fn(**args)
+                outcome = decide(job, task, result=result)
+            except Exception as exc:  # Snooze included
+                outcome = decide(job, task, error=exc)
+            assert outcome is not None
+            rows = conn.execute(q.RECORD_OUTCOMES, outcome_params([outcome])).fetchall()
+        return outcome, rows[0][1] if rows else None

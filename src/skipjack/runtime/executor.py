@@ -1,0 +1,348 @@
+"""The executor: runs each claimed job of the ``"none"`` and ``"complete"`` transaction modes
+as an asyncio task, and hands its outcome to the completer.
+
+``async def`` handlers run on the worker's event loop, sync ones in a thread pool of
+``concurrency`` threads. A task's ``timeout`` bounds each attempt. A job taken from its handler
+(lease lost, cancellation requested, timeout, shutdown) has its context's ``cancelled`` set,
+and an async handler is cancelled outright; :func:`skipjack.outcome.decide` then says what is
+recorded.
+
+``transaction="complete"``: the executor opens a transaction, exposes its connection as
+``current_job().conn``, runs the handler, then writes the fenced completion in the same
+transaction and commits (:func:`run_complete`, :func:`run_complete_async`). If the completion
+matches no row (the job was rescued or re-claimed meanwhile), everything rolls back: the
+handler's rows never become visible. So an effect table keyed by job id never sees a
+duplicate, whatever workers crash or stall. If the handler raises, its writes roll back and
+the attempt is recorded as failed. The handler must not commit or roll back that connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from ..app import Task
+from ..context import CancelCause, Job, JobContext, set_current
+from ..db import Database
+from ..errors import Snooze
+from ..jobs import dump_result
+from ..outcome import Outcome, decide, outcome_params
+from .completer import Completer, WorkerStats
+from .heartbeat import Leases
+from .slots import Running, Slots
+
+log = logging.getLogger("skipjack.worker")
+
+
+class Executor:
+    """Starts buffered jobs in free slots and runs them.
+
+    Args:
+        db: the app's database.
+        tasks: the app's task registry (read when a job starts).
+        slots: the shared capacity state.
+        leases: the running set the heartbeat renews.
+        completer: where outcomes go.
+        stats: counters to update.
+        stopping: set when the worker shuts down (no more jobs start).
+        concurrency: threads for sync handlers, and connections per pool.
+        large_args_concurrency: the most jobs at once whose args were too large to come
+            with the claim (they are loaded just before the handler runs).
+        on_slot_freed: called when a slot frees, with the queue of the job that ended (None
+            for a stuck handler thread that returned).
+    """
+
+    def __init__(self, db: Database, tasks: Mapping[str, Task], slots: Slots, leases: Leases,
+                 completer: Completer, stats: WorkerStats, stopping: asyncio.Event, *,
+                 concurrency: int, large_args_concurrency: int,
+                 on_slot_freed: Callable[[str | None], None]) -> None:
+        self._db = db
+        self._tasks = tasks
+        self._slots = slots
+        self._leases = leases
+        self._completer = completer
+        self._stats = stats
+        self._stopping = stopping
+        self._concurrency = concurrency
+        self._on_slot_freed = on_slot_freed
+        self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="skipjack-job")
+        self._large_args = asyncio.Semaphore(large_args_concurrency)
+        self.pool: ConnectionPool[psycopg.Connection[Any]] | None = None
+        self._apool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+
+    async def open(self) -> None:
+        """Open connection pools for the handlers that run in a transaction of their own
+        (``transaction`` "complete" or "claim"), if the app has any: sync and async ones."""
+        own = [t for t in self._tasks.values() if t.transaction != "none"]
+        if any(not inspect.iscoroutinefunction(t.fn) for t in own):
+            self.pool = ConnectionPool(self._db.dsn, min_size=0, max_size=self._concurrency,
+                                       kwargs=self._db.connect_kwargs, open=False)
+            await asyncio.to_thread(self.pool.open)
+        if any(inspect.iscoroutinefunction(t.fn) for t in own):
+            self._apool = AsyncConnectionPool(self._db.dsn, min_size=0,
+                                              max_size=self._concurrency,
+                                              kwargs=self._db.connect_kwargs, open=False)
+            await self._apool.open()
+
+    async def close(self) -> None:
+        """Stop the thread pool (without waiting for handlers that still run) and close the
+        connection pools."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._slots.stuck_threads:
+            log.warning("%d sync handler threads are still running (their jobs were "
+                        "released); Python waits for them before this process exits "
+                        "(os._exit stops at once, as the skipjack CLI does)",
+                        self._slots.stuck_threads)
+        if self._apool is not None:
+            await self._apool.close()
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.close)
+
+    # --- buffering and starting ---------------------------------------------------------
+
+    def buffer(self, job: Job) -> None:
+        """A claimed job waits in the slots' ready buffer for a slot; its lease is renewed
+        meanwhile."""
+        stale = self._slots.running.get(job.id)
+        if stale is not None:
+            # claimed again while it still runs here: its lease expired and it was rescued,
+            # or a server crash undid its claim. The old run is cancelled and writes nothing
+            # (its token is stale); until it ends it holds its slot as a stuck thread.
+            self.lease_lost(job.id, stale.job.lease_version,
+                            "lease lost; the job was claimed again")
+            stale.superseded = True
+            del self._slots.running[job.id]
+            self._slots.stuck_threads += 1
+        self._stats.claimed += 1
+        self._leases.add(job.id, job.lease_version, job.lease)
+        self._slots.ready[job.id] = job
+
+    def fill(self) -> None:
+        """Start buffered jobs while slots are free (first claimed, first started)."""
+        slots = self._slots
+        while slots.ready and slots.has_free_slot() and not self._stopping.is_set():
+            job_id = next(iter(slots.ready))
+            self._start(slots.ready.pop(job_id))
+
+    def _start(self, job: Job) -> None:
+        task = self._tasks.get(job.task)
+        running = Running(job, JobContext(job), is_async=task is not None and task.is_async)
+        self._slots.running[job.id] = running
+        running.task = asyncio.get_running_loop().create_task(self._execute(running))
+
+    # --- taking jobs from their handlers -------------------------------------------------
+
+    def lease_lost(self, job_id: int, lease_version: int, reason: str) -> None:
+        """The lease of a job this worker holds was lost (``reason`` for the log): a waiting
+        job is dropped, a running one is taken from its handler and will write nothing."""
+        waiting = self._slots.ready.get(job_id)
+        if waiting is not None and waiting.lease_version == lease_version:
+            del self._slots.ready[job_id]
+            self._stats.leases_lost += 1
+            log.warning("job %s: %s before it started; dropping it", job_id, reason)
+            return
+        if self._take(job_id, lease_version, reason, "lease lost"):
+            self._stats.leases_lost += 1
+            log.warning("job %s: %s; cancelling its handler", job_id, reason)
+
+    def cancel_requested(self, job_id: int, lease_version: int) -> None:
+        """Someone asked to cancel a job this worker holds: a waiting job ends cancelled at
+        once, a running one is taken from its handler."""
+        waiting = self._slots.ready.get(job_id)
+        if waiting is not None and waiting.lease_version == lease_version:
+            del self._slots.ready[job_id]
+            self._completer.submit(Outcome(job_id, lease_version, waiting.queue, "cancel"))
+            return
+        if self._take(job_id, lease_version, "cancel requested", "cancel requested"):
+            log.info("job %s: cancellation requested; cancelling its handler", job_id)
+
+    def _take(self, job_id: int, lease_version: int, reason: str, cause: CancelCause) -> bool:
+        """Cancel the run of ``job_id`` under ``lease_version``, if it runs here."""
+        running = self._slots.running.get(job_id)
+        if running is None or running.job.lease_version != lease_version:
+            return False
+        running.ctx.cancel(reason, cause)
+        if running.is_async and running.task is not None:
+            running.task.cancel()
+        return True
+
+    def shut_down(self) -> None:
+        """Take every running job from its handler: the worker is shutting down."""
+        for r in list(self._slots.running.values()):
+            r.ctx.cancel("worker shutting down", "shutdown")
+            if r.task is not None:
+                r.task.cancel()
+
+    # --- running -------------------------------------------------------------------------
+
+    async def _execute(self, running: Running) -> None:
+        job, ctx = running.job, running.ctx
+        set_current(ctx)
+        task = self._tasks.get(job.task)
+        outcome: Outcome | None
+        try:
+            if task is None:
+                raise LookupError(f"unknown task {job.task!r}: no handler of that name is "
+                                  "registered in this worker's app")
+            if job.args is not None:
+                result = await self._call(running, task, job.args)
+            else:
+                async with self._large_args:  # bounds the memory that big payloads take
+                    result = await self._call(running, task, await self._load_args(job))
+            if task.transaction == "complete":
+                outcome = None  # recorded inside the handler's transaction
+                self._completer.count(Outcome(job.id, job.lease_version, job.queue, "complete"),
+                                      "succeeded" if result else None)
+            else:
+                outcome = decide(job, task, result=result, cancelled=ctx.cancellation)
+        except Snooze as exc:
+            outcome = decide(job, task, error=exc)
+        except (asyncio.CancelledError, Exception, SystemExit, KeyboardInterrupt) as exc:
+            # ours (lease lost, cancel requested, timeout, shutdown) or the handler's own; a
+            # handler never ends the worker
+            outcome = decide(job, task, error=exc, cancelled=ctx.cancellation)
+        finally:
+            if running.superseded:  # see buffer()
+                self._slots.stuck_threads -= 1
+            elif self._slots.running.get(job.id) is running:
+                del self._slots.running[job.id]
+            self.fill()  # the next buffered job takes the slot at once
+            self._on_slot_freed(job.queue)
+        if outcome is None:
+            self._leases.remove(job.id, job.lease_version)
+        else:
+            self._completer.submit(outcome)
+
+    async def _call(self, running: Running, task: Task, args: dict[str, Any]) -> Any:
+        """Run the handler within the task's timeout (see :meth:`_call_now`)."""
+        if task.timeout is None:
+            return await self._call_now(running, task, args)
+        try:
+            return await asyncio.wait_for(self._call_now(running, task, args), task.timeout)
+        except TimeoutError:
+            running.ctx.cancel(f"timed out after {task.timeout}s", "timed out")
+            raise
+
+    async def _call_now(self, running: Running, task: Task, args: dict[str, Any]) -> Any:
+        """Run the handler; for transaction="complete" tasks, return whether the completion
+        committed, else the handler's result."""
+        fn, ctx = task.fn, running.ctx
+        q = self._db.queries
+        finishing = functools.partial(self._leases.finishing, ctx.job.id, ctx.job.lease_version)
+        if task.transaction == "complete":
+            if running.is_async:
+                assert self._apool is not None
+                async with self._apool.connection() as aconn:
+                    return await run_complete_async(aconn, q.RECORD_OUTCOMES, ctx, fn, args,
+                                                    finishing)
+            pool = self.pool
+            assert pool is not None
+
+            def complete() -> bool:
+                with pool.connection() as conn:
+                    return run_complete(conn, q.RECORD_OUTCOMES, ctx, fn, args, finishing)
+
+            return await self.in_thread(complete)
+        if running.is_async:
+            return await fn(**args)
+        return await self.in_thread(functools.partial(fn, **args))
+
+    async def in_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the handler pool. If the wait is cancelled (timeout, lost lease,
+        shutdown) while the thread still runs, that thread holds its slot as a stuck thread
+        until it returns, so the worker never claims jobs that would only wait for a
+        thread."""
+        future = self._threads.submit(contextvars.copy_context().run, fn)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                self._slots.stuck_threads += 1
+                loop = asyncio.get_running_loop()
+
+                def freed(_: object) -> None:
+                    try:
+                        loop.call_soon_threadsafe(self._thread_freed)
+                    except RuntimeError:  # the loop is closed: the worker has stopped
+                        pass
+
+                future.add_done_callback(freed)
+            raise
+
+    def _thread_freed(self) -> None:
+        self._slots.stuck_threads -= 1
+        self.fill()
+        self._on_slot_freed(None)
+
+    async def _load_args(self, job: Job) -> dict[str, Any]:
+        async with await self._db.connect_async() as conn:
+            cur = await conn.execute(self._db.queries.LOAD_ARGS,
+                                     {"id": job.id, "lease_version": job.lease_version})
+            row = await cur.fetchone()
+        if row is None:
+            raise asyncio.CancelledError("lease lost before the args were loaded")
+        args: dict[str, Any] = row[0]
+        return args
+
+
+def _completion(ctx: JobContext, result: Any) -> dict[str, str]:
+    job = ctx.job
+    return outcome_params([Outcome(job.id, job.lease_version, job.queue, "complete",
+                                   result=dump_result(result))])
+
+
+def run_complete(conn: psycopg.Connection[Any], record: bytes, ctx: JobContext,
+                 fn: Callable[..., Any], args: dict[str, Any],
+                 finishing: Callable[[], None]) -> bool:
+    """Run a sync handler and its fenced completion (the statement ``record``) in one
+    transaction on ``conn``.
+
+    ``finishing`` is called once the handler returned, before the completion is written
+    (the heartbeat then stops treating a vanished lease as lost).
+
+    Returns:
+        True if the completion committed; False if it was stale (all rolled back).
+
+    Raises:
+        Exception: whatever the handler raised (its writes rolled back), or a database error.
+    """
+    applied = False
+    with conn.transaction():
+        ctx.conn = conn
+        try:
+            result = fn(**args)
+        finally:
+            ctx.conn = None
+        finishing()
+        applied = bool(conn.execute(record, _completion(ctx, result)).fetchall())
+        if not applied:
+            raise psycopg.Rollback()
+    return applied
+
+
+async def run_complete_async(conn: psycopg.AsyncConnection[Any], record: bytes,
+                             ctx: JobContext, fn: Callable[..., Any], args: dict[str, Any],
+                             finishing: Callable[[], None]) -> bool:
+    """:func:`run_complete` for an async handler on an async connection."""
+    applied = False
+    async with conn.transaction():
+        ctx.conn = conn
+        try:
+            result = await fn(**args)
+        finally:
+            ctx.conn = None
+        finishing()
+        cur = await conn.execute(record, _completion(ctx, result))
+        applied = bool(await cur.fetchall())
+        if not applied:
+            raise psycopg.Rollback()
+    return applied

@@ -1,0 +1,178 @@
+"""The producer: the worker's claim loop.
+
+It claims up to ``batch_size`` jobs from ONE queue per statement, round-robin over the
+worker's queues, whenever a queue may have work (a notification, the poll timer, a limit that
+may have lifted, or a previous claim that came back full) and there is room (see
+:meth:`skipjack.runtime.slots.Slots.room`). Each due queue gets its share of the room, so a
+deep queue cannot fill the prefetch buffer ahead of a shallow one (FC-20 in
+``tests/CASES.md``). Every ``fairness_every``-th claim that takes jobs from a queue takes the
+oldest runnable ones whatever their priority. Queues with a concurrency or rate limit are
+claimed under the queue's row lock (``LOCK_QUEUE`` then ``CLAIM_LIMITED``); which queues are
+limited is re-read at every poll.
+
+Its connection claims with ``synchronous_commit = off`` (see :mod:`skipjack.sql`), and is
+replaced after any error, with capped backoff; every queue is rescanned after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from ..context import Job
+from ..db import Database, ReconnectDelay, close_quietly
+from .claim_mode import ClaimModeRunners, ClaimParams
+from .completer import Completer
+from .executor import Executor
+from .slots import Slots
+
+log = logging.getLogger("skipjack.worker")
+
+
+class Producer:
+    """Claims jobs into the executor's buffer.
+
+    Args:
+        db: the app's database.
+        queues: the queues to serve, in round-robin order.
+        slots: the shared capacity state.
+        executor: takes the claimed jobs (:meth:`Executor.buffer`) and starts them.
+        claim_mode: the claim-mode runners, started here for queues that may have such jobs.
+        completer: its backlog of unwritten outcomes pauses claims.
+        stopping: set when the worker shuts down.
+        claim_params: bind values of the claim statements.
+        batch_size: the most jobs per claim statement.
+        fairness_every: every n-th claim that takes jobs is oldest-first (0: never).
+        poll_interval: seconds between rescans of every queue.
+    """
+
+    def __init__(self, db: Database, queues: Sequence[str], slots: Slots, executor: Executor,
+                 claim_mode: ClaimModeRunners, completer: Completer, stopping: asyncio.Event,
+                 claim_params: ClaimParams, *, batch_size: int, fairness_every: int,
+                 poll_interval: float) -> None:
+        self._db = db
+        self._queues = list(queues)
+        self._slots = slots
+        self._executor = executor
+        self._claim_mode = claim_mode
+        self._completer = completer
+        self._stopping = stopping
+        self._claim_params = claim_params
+        self._batch_size = batch_size
+        self._fairness_every = fairness_every
+        self._poll_interval = poll_interval
+        self.wakeup = asyncio.Event()
+        self.due = dict.fromkeys(self._queues, True)  # queues that may have jobs for us
+        self._claims = dict.fromkeys(self._queues, 0)  # claims that took jobs, per queue
+        self._limited: set[str] = set()
+
+    def mark_due(self, queue: str) -> None:
+        """``queue`` may have runnable jobs now (a notification, or the stager made some)."""
+        if queue in self.due:
+            self.due[queue] = self._claim_mode.due[queue] = True
+            self.wakeup.set()
+
+    def mark_all_due(self) -> None:
+        """Every queue may have runnable jobs (after a poll interval, or a reconnection)."""
+        for q in self.due:
+            self.due[q] = self._claim_mode.due[q] = True
+        self.wakeup.set()
+
+    def slot_freed(self, queue: str | None = None) -> None:
+        """A slot freed: claim again; a limited queue's limit may allow more jobs now."""
+        if queue in self._limited:
+            self.due[queue] = True
+        self.wakeup.set()
+
+    async def run(self) -> None:
+        """Claim until the worker stops; database errors never end it."""
+        loop = asyncio.get_running_loop()
+        conn: psycopg.AsyncConnection[Any] | None = None
+        backoff = ReconnectDelay()
+        next_poll = loop.time() + self._poll_interval
+        start = 0
+        refresh = True
+        try:
+            while not self._stopping.is_set():
+                if loop.time() >= next_poll:
+                    self.mark_all_due()
+                    next_poll = loop.time() + self._poll_interval
+                    refresh = True  # re-read which queues are limited
+                self.wakeup.clear()
+                order = self._queues[start:] + self._queues[:start]
+                start = (start + 1) % len(self._queues)
+                sharing = max(1, sum(self.due.values()))  # queues wanting work now
+                for queue in order:
+                    free = self._slots.room(len(self._completer))
+                    if free <= 0 or self._stopping.is_set():
+                        break
+                    if self._claim_mode.task_names and self._claim_mode.due[queue]:
+                        self._claim_mode.due[queue] = False
+                        self._claim_mode.spawn(queue)  # it spawns more as it finds jobs
+                        continue
+                    if not self.due[queue]:
+                        continue
+                    want = min(free, self._batch_size, max(1, -(-free // sharing)))
+                    try:
+                        if conn is None or conn.closed:
+                            conn = await self._db.connect_async()
+                            await conn.execute(self._db.queries.NO_WAIT_FOR_FLUSH)
+                        if refresh:
+                            cur = await conn.execute(self._db.queries.LIMITED_QUEUES)
+                            self._limited = {r[0] for r in await cur.fetchall()}
+                            refresh = False
+                        rows = await self._claim(conn, queue, want)
+                        backoff.reset()
+                    except psycopg.Error as exc:
+                        await close_quietly(conn)
+                        conn = None
+                        delay = backoff.next()
+                        log.warning("claim failed: %s (retrying in %.1fs)", str(exc).strip(),
+                                    delay)
+                        try:
+                            await asyncio.wait_for(self._stopping.wait(), delay)
+                        except TimeoutError:
+                            pass
+                        self.mark_all_due()  # rescan after reconnecting
+                        break
+                    if len(rows) < want:
+                        self.due[queue] = False
+                        if queue in self._limited:  # a limit may lift soon (rate window)
+                            loop.call_later(0.5, self.mark_due, queue)
+                    for row in rows:
+                        self._executor.buffer(Job(*row))
+                    self._executor.fill()
+                free = self._slots.room(len(self._completer))
+                if (free > 0 and any(self.due.values())) or self._stopping.is_set():
+                    continue
+                try:
+                    await asyncio.wait_for(self.wakeup.wait(),
+                                           max(0.0, next_poll - loop.time()))
+                except TimeoutError:
+                    pass
+        finally:
+            await close_quietly(conn)
+
+    async def _claim(self, conn: psycopg.AsyncConnection[Any], queue: str,
+                     want: int) -> list[Any]:
+        """One claim from one queue: through the queue's lock when it is limited; every
+        ``fairness_every``-th claim that takes jobs oldest-first instead of by priority."""
+        q = self._db.queries
+        params = self._claim_params(queue, want, False)
+        every = self._fairness_every
+        oldest = every and (self._claims[queue] + 1) % every == 0
+        if queue in self._limited:
+            async with conn.transaction():
+                await conn.execute(q.LOCK_QUEUE, {"queue": queue})
+                rows = await (await conn.execute(
+                    q.CLAIM_LIMITED_OLDEST if oldest else q.CLAIM_LIMITED, params)).fetchall()
+        else:
+            rows = await (await conn.execute(q.CLAIM_OLDEST if oldest else q.CLAIM,
+                                             params)).fetchall()
+        if rows:  # claims that find nothing (an empty queue, a limit reached) do not count
+            self._claims[queue] += 1
+        return rows

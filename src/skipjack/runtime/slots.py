@@ -1,0 +1,82 @@
+"""The worker's capacity: which jobs run, which wait for a slot, and how many more to claim.
+
+One :class:`Slots` is shared by the producer (which claims while there is room), the executor
+(which starts buffered jobs in free slots) and the claim-mode runners (each holds a slot for
+its open transaction). They all use it from the worker's event loop, so it needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from ..context import Job, JobContext
+
+log = logging.getLogger("skipjack.worker")
+
+
+@dataclass
+class Running:
+    """One job the executor runs now, with its context and the asyncio task running it."""
+
+    job: Job
+    ctx: JobContext
+    task: asyncio.Task[None] | None = None
+    is_async: bool = False
+    superseded: bool = False  # a later claim of the same job replaced this run
+
+
+class Slots:
+    """Slots in use and jobs claimed ahead of them.
+
+    Args:
+        concurrency: the most jobs running at once (slots).
+        prefetch: jobs claimed ahead of free slots, waiting in :attr:`ready`.
+
+    A slot is in use by a running job (:attr:`running`), by a claim-mode runner
+    (:attr:`claim_mode`), or by a handler thread that the worker stopped waiting for but that
+    has not returned yet (:attr:`stuck_threads`): claiming for it would only make a job wait
+    for a thread.
+    """
+
+    def __init__(self, concurrency: int, prefetch: int) -> None:
+        self.concurrency = concurrency
+        self.prefetch = prefetch
+        self.running: dict[int, Running] = {}
+        self.ready: dict[int, Job] = {}  # claimed, waiting for a slot (insertion order)
+        self.claim_mode = 0
+        self.stuck_threads = 0
+        self.claims_paused = False
+        # Outcomes waiting to be written past which nothing more is claimed: ten claims'
+        # worth (at least 1,000), far above what piles up while one write runs, so only a
+        # stalled completer reaches it. It bounds the finished jobs that a crash during such
+        # a stall would run again.
+        self.max_unwritten = max(1000, 10 * (concurrency + prefetch))
+
+    def busy(self) -> int:
+        """Slots in use."""
+        return len(self.running) + self.claim_mode + self.stuck_threads
+
+    def has_free_slot(self) -> bool:
+        """Whether one more job could start now."""
+        return self.busy() < self.concurrency
+
+    def room(self, unwritten: int) -> int:
+        """How many more jobs to claim now, with ``unwritten`` outcomes waiting to be written:
+        the free slots plus the prefetch buffer's free places; but nothing while the buffer
+        is over half full (so claims come in batches rather than one job per finished job),
+        nor while more outcomes wait than :attr:`max_unwritten` (the database is not taking
+        them: a row lock held elsewhere, a slow disk)."""
+        if unwritten >= self.max_unwritten:
+            if not self.claims_paused:
+                self.claims_paused = True
+                log.warning("%d outcomes wait to be written; claiming paused until they are",
+                            unwritten)
+            return 0
+        if self.claims_paused:
+            self.claims_paused = False
+            log.info("outcomes written; claiming again")
+        if self.ready and len(self.ready) > self.prefetch // 2:
+            return 0
+        return self.concurrency + self.prefetch - self.busy() - len(self.ready)

@@ -1,0 +1,346 @@
+"""The worker: a supervisor that wires the parts that claim, run and record jobs.
+
+Parts, each with one job and (where it talks to the database) its own connection, so that
+handlers that exhaust the application's pool can never starve lease renewal or completion:
+
+- :class:`~skipjack.runtime.producer.Producer` (asyncio task): the claim loop;
+- :class:`~skipjack.runtime.executor.Executor`: runs each claimed job (asyncio task per job,
+  sync handlers in a thread pool), ``transaction`` "none" and "complete";
+- :class:`~skipjack.runtime.claim_mode.ClaimModeRunners`: ``transaction="claim"`` jobs;
+- :class:`~skipjack.runtime.slots.Slots`: the capacity they share;
+- :class:`~skipjack.runtime.completer.Completer` (asyncio task): writes outcomes in fenced
+  batches;
+- :func:`~skipjack.runtime.listener.listen` (asyncio task): LISTEN, so notifications wake the
+  producer;
+- :class:`~skipjack.runtime.heartbeat.HeartbeatThread`: renews leases every ``heartbeat``
+  seconds, hears cancellation requests;
+- :class:`~skipjack.runtime.maintenance.Maintenance` (thread): stager, rescuer, cron, pruner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..app import App
+from ..db import safe_dsn
+from ..errors import ConfigError
+from ..jobs import LEASE_MAX, QUEUE_MAX_BYTES, check_name
+from ..outcome import Outcome
+from ..sql.claim import claim_params
+from . import eventloop
+from .claim_mode import ClaimModeRunners
+from .completer import Completer, WorkerStats
+from .executor import Executor
+from .heartbeat import HeartbeatThread, Leases
+from .listener import listen, probe
+from .maintenance import Maintenance, schedule_due
+from .producer import Producer
+from .slots import Slots
+
+log = logging.getLogger("skipjack.worker")
+
+
+@dataclass
+class Worker:
+    """Runs jobs from some queues of an :class:`~skipjack.App`.
+
+    Args:
+        app: the application (task registry and database).
+        queues: queue names to serve; each is claimed with its own statement.
+        concurrency: the most jobs running at once in this process (1..10,000).
+        batch_size: the most jobs one claim takes (default: ``concurrency + prefetch``, at
+            most 1,000: one claim can fill every free slot and the prefetch buffer).
+        lease: seconds a claim is valid without renewal. A job whose lease expires is
+            rescued (returned to the queue) by any worker.
+        heartbeat: seconds between heartbeats (lease renewals); must be < lease / 2 so one
+            lost renewal cannot let a live job's lease expire (default lease / 6, at most 10).
+        poll_interval: seconds between polls of every queue, the fallback for lost
+            notifications (default 5).
+        rescue_interval: seconds between rescuer runs in this worker (default lease / 2, at
+            most 15).
+        stage_interval: seconds between stager runs, which make due scheduled jobs
+            (delayed, retried) available (default 1).
+        retention: seconds to keep succeeded and cancelled jobs; this worker then prunes
+            older ones (default None: no pruning here).
+        discarded_retention: seconds to keep discarded jobs (default 10 x retention).
+        prefetch: jobs claimed ahead of free slots (default ``concurrency``, at most 100), so
+            a slot that frees starts its next job at once instead of after a claim round
+            trip. Their leases are renewed while they wait; they count as started (an
+            attempt) and are released at shutdown. 0 claims only for free slots.
+        fairness_every: every n-th claim that takes jobs from a queue (limited or not) takes
+            the oldest runnable jobs whatever their priority, so no priority waits forever
+            (0 disables: strict priority, where a steady stream of higher priorities starves
+            lower ones).
+        shutdown_grace: seconds running jobs get to finish after SIGTERM; the rest are then
+            released back to their queue, their attempt not counted.
+        name: the worker's name stored on claimed rows (default host:pid:random). Only for
+            people: recovery never depends on it.
+        inline_args_bytes: args larger than this (serialised bytes) are not fetched by the
+            claim but loaded just before the handler runs, and at most
+            ``large_args_concurrency`` such jobs run at once, so a batch of huge payloads
+            cannot exhaust the worker's memory.
+        listen_health_interval: seconds of silence after which the listener checks its
+            connection.
+        stats: counters since the worker started.
+
+    Raises:
+        ConfigError: a setting outside its range, or a heartbeat too slow for the lease.
+    """
+
+    app: App
+    queues: Sequence[str]
+    concurrency: int = 10
+    batch_size: int | None = None
+    lease: float = 30.0
+    heartbeat: float | None = None
+    poll_interval: float = 5.0
+    rescue_interval: float | None = None
+    stage_interval: float = 1.0
+    retention: float | None = None
+    discarded_retention: float | None = None
+    fairness_every: int = 10
+    prefetch: int | None = None
+    shutdown_grace: float = 30.0
+    name: str = ""
+    listen_health_interval: float = 10.0
+    inline_args_bytes: int = 256 * 1024
+    large_args_concurrency: int = 4
+    stats: WorkerStats = field(default_factory=WorkerStats)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.queues, str) or not self.queues:
+            raise ConfigError("queues: give a non-empty list of queue names")
+        self.queues = tuple(check_name("queue", q, QUEUE_MAX_BYTES)
+                            for q in dict.fromkeys(self.queues))
+        if not 1 <= self.concurrency <= 10_000:
+            raise ConfigError(f"concurrency: {self.concurrency} is out of range 1..10000")
+        if self.prefetch is None:
+            self.prefetch = min(self.concurrency, 100)
+        if self.batch_size is None:
+            self.batch_size = min(self.concurrency + self.prefetch, 1000)
+        if not 0 <= self.prefetch <= 10_000:
+            raise ConfigError(f"prefetch: {self.prefetch} is out of range 0..10000")
+        if not 1 <= self.batch_size <= 10_000:
+            raise ConfigError(f"batch_size: {self.batch_size} is out of range 1..10000")
+        if not 0 < self.lease <= LEASE_MAX:
+            raise ConfigError(f"lease: {self.lease} seconds is out of range 0..{LEASE_MAX:.0f}")
+        if self.heartbeat is None:
+            self.heartbeat = min(self.lease / 6, 10.0)
+        if not 0 < self.heartbeat < self.lease / 2:
+            raise ConfigError(
+                f"heartbeat: {self.heartbeat}s cannot keep a {self.lease}s lease alive; "
+                f"it must be > 0 and < lease / 2 = {self.lease / 2}s"
+            )
+        if self.rescue_interval is None:
+            self.rescue_interval = min(self.lease / 2, 15.0)
+        for name in ("poll_interval", "rescue_interval", "listen_health_interval",
+                     "stage_interval"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
+        if self.shutdown_grace < 0:
+            raise ConfigError(f"shutdown_grace: must be >= 0 seconds, got {self.shutdown_grace}")
+        self.name = self.name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        db = self.app.db
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_requested = False
+        self._first_signal = 0.0
+        self._stopping = asyncio.Event()
+        self._leases = Leases()
+        self._slots = Slots(self.concurrency, self.prefetch)
+        self._completer = Completer(db, self._leases, self.stats,
+                                    more_coming=lambda: bool(self._slots.running),
+                                    on_written=lambda: self._producer.wakeup.set())
+        self._executor = Executor(db, self.app.tasks, self._slots, self._leases,
+                                  self._completer, self.stats, self._stopping,
+                                  concurrency=self.concurrency,
+                                  large_args_concurrency=self.large_args_concurrency,
+                                  on_slot_freed=lambda q: self._producer.slot_freed(q))
+        self._claim_mode = ClaimModeRunners(db, self.app.tasks, self.queues, self._slots,
+                                            self._executor, self._completer, self.stats,
+                                            self._stopping, self._claim_params,
+                                            lease=self.lease,
+                                            on_slot_freed=lambda: self._producer.slot_freed())
+        self._producer = Producer(db, self.queues, self._slots, self._executor,
+                                  self._claim_mode, self._completer, self._stopping,
+                                  self._claim_params, batch_size=self.batch_size,
+                                  fairness_every=self.fairness_every,
+                                  poll_interval=self.poll_interval)
+        self._heartbeat_thread = HeartbeatThread(db, self._leases, lease=self.lease,
+                                    interval=self.heartbeat,
+                                    on_lost=self._threadsafe(self._executor.lease_lost),
+                                    on_cancel=self._threadsafe(self._executor.cancel_requested))
+        self._maintenance = Maintenance(
+            db, stage_interval=self.stage_interval, rescue_interval=self.rescue_interval,
+            retention=self.retention, discarded_retention=self.discarded_retention,
+            on_staged=self._threadsafe(self._producer.mark_due),
+            cron=(lambda c: schedule_due(self.app, c)) if self.app.crons else None)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run until SIGTERM or SIGINT, then shut down gracefully. A second signal exits at
+        once with status 1 (the jobs' leases then expire and the rescuer returns them).
+
+        Unlike ``asyncio.run``, it does not wait for handlers that ignored cancellation (their
+        jobs were already released); the interpreter still waits for such sync handlers'
+        threads at exit (a warning says so), unless the process ends with ``os._exit``. Its
+        event loop's timers fire on time (see :mod:`skipjack.runtime.eventloop`)."""
+        loop = eventloop.new_event_loop()
+        try:
+            loop.run_until_complete(self._run_with_signals())
+        finally:
+            loop.close()
+
+    async def _run_with_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        await self.run_async()
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stop_requested:
+            if time.monotonic() - self._first_signal < 1.0:
+                return  # the same stop sent twice (e.g. to the process group): not a second
+            log.warning("second %s: exiting now", signal.Signals(sig).name)
+            os._exit(1)
+        self._first_signal = time.monotonic()
+        log.info("%s: stopping (grace %.1fs)", signal.Signals(sig).name, self.shutdown_grace)
+        self.stop()
+
+    def stop(self) -> None:
+        """Ask the worker to stop claiming and shut down (thread-safe)."""
+        if self._loop is None:
+            self._stop_requested = True
+        else:
+            self._loop.call_soon_threadsafe(self._request_stop)
+
+    def _request_stop(self) -> None:
+        self._stop_requested = True
+        self._stopping.set()
+        self._producer.wakeup.set()
+
+    async def run_async(self) -> None:
+        """Run on the current event loop until :meth:`stop` is called.
+
+        Database errors never end it: every component reconnects with capped backoff.
+
+        Raises:
+            SchemaVersionError: the schema is missing or of another version.
+            ConfigError: a task's lease is too short for the heartbeat.
+            Exception: a worker component failed on a bug (after a graceful shutdown), so a
+                supervisor sees a non-zero exit instead of a worker that silently idles.
+        """
+        self._check_task_leases()
+        self._claim_mode.prepare()
+        await asyncio.to_thread(self.app.check_schema)
+        await probe(self.app.db)
+        self._loop = asyncio.get_running_loop()
+        await self._executor.open()
+        if self._stop_requested:
+            self._stopping.set()
+        self._heartbeat_thread.start()
+        self._maintenance.start()
+        log.info("worker %s serving %s (concurrency %d) on %s", self.name,
+                 ", ".join(self.queues), self.concurrency, safe_dsn(self.app.dsn))
+        task_queues = sorted({t.queue for t in self.app.tasks.values()})
+        if self.queues == ("default",) and task_queues and "default" not in task_queues:
+            log.warning("serving only the queue 'default', which no task of this app has as its "
+                        "queue (they have %s): name them with --queue", ", ".join(task_queues))
+        producer = asyncio.create_task(self._producer.run(), name="skipjack-producer")
+        helpers = [asyncio.create_task(listen(self.app.db, self._producer.mark_due,
+                                              self._producer.mark_all_due,
+                                              self.listen_health_interval),
+                                       name="skipjack-listener"),
+                   asyncio.create_task(self._completer.run(), name="skipjack-completer")]
+        stopping = asyncio.create_task(self._stopping.wait())
+        failure: BaseException | None = None
+        try:
+            done, _ = await asyncio.wait([producer, stopping, *helpers],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopping and not (t is producer and self._stopping.is_set()
+                                              and not t.exception()):
+                    # components only end by failing: never stop silently
+                    failure = t.exception() or RuntimeError(f"{t.get_name()} ended")
+                    log.error("worker component %s failed; shutting down", t.get_name(),
+                              exc_info=failure)
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+            await self._drain()
+        finally:
+            stopping.cancel()
+            for t in helpers:
+                t.cancel()
+            await asyncio.gather(*helpers, stopping, return_exceptions=True)
+            self._heartbeat_thread.stop()
+            self._maintenance.stop()
+            await self._executor.close()
+            log.info("worker %s stopped: %s", self.name, self.stats)
+        if failure is not None:
+            raise failure
+
+    def _check_task_leases(self) -> None:
+        for task in self.app.tasks.values():
+            if task.lease is not None and not task.lease > 2 * (self.heartbeat or 0):
+                raise ConfigError(
+                    f"task {task.name!r}: lease {task.lease}s cannot be kept alive by a "
+                    f"{self.heartbeat}s heartbeat; it must be > 2 x heartbeat"
+                )
+
+    async def _drain(self) -> None:
+        """Release buffered jobs, let running ones finish within the grace period, release
+        the rest, flush the outcomes."""
+        slots = self._slots
+        for job in slots.ready.values():
+            self._completer.submit(Outcome(job.id, job.lease_version, job.queue, "release"))
+        slots.ready.clear()
+        if slots.busy():
+            log.info("waiting up to %.1fs for %d running jobs", self.shutdown_grace,
+                     slots.busy())
+            tasks = [r.task for r in slots.running.values() if r.task is not None]
+            tasks += self._claim_mode.runners
+            await asyncio.wait(tasks, timeout=self.shutdown_grace)
+            self._executor.shut_down()
+            for runner in self._claim_mode.runners:  # the process exit rolls their claims back
+                runner.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=1.0)
+            for r in list(slots.running.values()):  # a handler that ignores cancellation
+                log.warning("job %s ignored cancellation; releasing it", r.job.id)
+                slots.running.pop(r.job.id, None)
+                self._completer.submit(Outcome(r.job.id, r.job.lease_version, r.job.queue,
+                                               "release"))
+        try:
+            await asyncio.wait_for(self._completer.flush(), timeout=max(self.shutdown_grace, 5.0))
+        except TimeoutError:
+            log.error("could not record %d outcomes before exit; their leases will expire "
+                      "and the rescuer will return the jobs", len(self._completer))
+
+    def _claim_params(self, queue: str, limit: int, claim_mode: bool) -> dict[str, Any]:
+        return claim_params(queue, limit, lease=self.lease, worker=self.name,
+                            min_lease=3 * (self.heartbeat or 0),
+                            inline_bytes=self.inline_args_bytes,
+                            claim_mode_tasks=self._claim_mode.task_names,
+                            claim_mode=claim_mode)
+
+    def _threadsafe(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """``fn`` as a callback other threads may call: it runs on the event loop."""
+
+        def call(*args: Any) -> None:
+            if self._loop is None:
+                return
+            try:
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop is closed: the worker has stopped
+                pass
+
+        return call

@@ -1,0 +1,147 @@
+"""Every SQL statement skipjack runs, grouped by stage of a job's life.
+
+The statements are templates in the modules of this package (``enqueue``, ``claim``,
+``outcomes``, ``maintenance``, ``admin``, ``cron``, ``schema``), in which ``{schema}`` stands
+for the quoted schema name; values are always bound parameters (``%(name)s``), never
+interpolated. :class:`Queries` renders them for one schema, each on first use, as UTF-8 bytes,
+so running a statement costs no re-rendering (psycopg then caches its parse of the text).
+
+Fencing: every write about a claimed job (complete, retry, discard, release, heartbeat,
+rescue) matches ``state = 'running' AND lease_version = <token read at claim>``. A write that
+matches no row is stale: the job was rescued and re-claimed meanwhile, and nothing changes.
+Each claim raises ``lease_version`` by a random step (1..2^31), not by one: claims commit
+without waiting for their WAL flush (``synchronous_commit = off`` on the claiming
+connection), so a server crash can undo one, and the next claim of that job must not hand
+the undone claim's token out again.
+
+Row locks: statements that take job rows before updating them lock them FOR NO KEY UPDATE
+(what an UPDATE of non-key columns takes anyway), never FOR UPDATE, so a row of the
+application's that references a job (a foreign key takes FOR KEY SHARE on the job's row for
+its transaction) does not hide the job from claims, heartbeats, rescues or cancels. Only the
+pruner's DELETE takes FOR UPDATE.
+"""
+
+from __future__ import annotations
+
+from typing import overload
+
+from psycopg import sql
+
+from . import admin, claim, cron, enqueue, maintenance, outcomes, schema
+
+
+def render(template: str, schema: str, **literals: object) -> sql.Composed:
+    """Fill ``{schema}`` with the quoted schema name and any other placeholder with a literal.
+
+    Args:
+        template: SQL text with ``{schema}`` (and optional ``{name}``) placeholders; literal
+            braces written doubled.
+        schema: the schema name, quoted with :class:`psycopg.sql.Identifier`.
+        literals: further placeholders, each rendered with :class:`psycopg.sql.Literal`.
+    """
+    values: dict[str, sql.Composable] = {k: sql.Literal(v) for k, v in literals.items()}
+    return sql.SQL(template).format(schema=sql.Identifier(schema), **values)
+
+
+class Statement:
+    """One statement template as an attribute of :class:`Queries`: read on an instance, it is
+    the template rendered for that instance's schema (UTF-8 ``bytes``), computed once."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Statement: ...
+
+    @overload
+    def __get__(self, obj: Queries, owner: type | None = None) -> bytes: ...
+
+    def __get__(self, obj: Queries | None, owner: type | None = None) -> Statement | bytes:
+        if obj is None:
+            return self
+        text = render(self.template, obj.schema).as_string().encode()
+        obj.__dict__[self.name] = text  # later reads find it on the instance
+        return text
+
+
+class Queries:
+    """Every statement, rendered for one schema, each as UTF-8 encoded SQL text (``bytes``,
+    which psycopg sends as is). The text is ASCII unless the schema name is not; such a name
+    then needs connections with the UTF8 client encoding (PostgreSQL's default for UTF8
+    databases).
+
+    Args:
+        schema: the PostgreSQL schema that holds skipjack's tables (an identifier; it is
+            quoted, never interpolated).
+    """
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+
+    # enqueue
+    ENQUEUE = Statement(enqueue.ENQUEUE)
+    ENQUEUE_NO_KEYS = Statement(enqueue.ENQUEUE_NO_KEYS)
+    ENQUEUE_ONE = Statement(enqueue.ENQUEUE_ONE)
+    ENQUEUE_ONE_NO_KEYS = Statement(enqueue.ENQUEUE_ONE_NO_KEYS)
+    EXISTING_KEYS = Statement(enqueue.EXISTING_KEYS)
+
+    # claim (and what runs around a claim)
+    CLAIM = Statement(claim.CLAIM)
+    CLAIM_OLDEST = Statement(claim.CLAIM_OLDEST)
+    CLAIM_IN_TRANSACTION = Statement(claim.CLAIM_IN_TRANSACTION)
+    LOCK_QUEUE = Statement(claim.LOCK_QUEUE)
+    CLAIM_LIMITED = Statement(claim.CLAIM_LIMITED)
+    CLAIM_LIMITED_OLDEST = Statement(claim.CLAIM_LIMITED_OLDEST)
+    NO_WAIT_FOR_FLUSH = Statement(claim.NO_WAIT_FOR_FLUSH)
+    LIMITED_QUEUES = Statement(claim.LIMITED_QUEUES)
+    SET_IDLE_TIMEOUT = Statement(claim.SET_IDLE_TIMEOUT)
+    LOAD_ARGS = Statement(claim.LOAD_ARGS)
+
+    # outcomes and lease renewal (fenced)
+    RECORD_OUTCOMES = Statement(outcomes.RECORD_OUTCOMES)
+    HEARTBEAT = Statement(outcomes.HEARTBEAT)
+
+    # maintenance: stager, rescuer, pruner
+    STAGE = Statement(maintenance.STAGE)
+    RESCUE_CANDIDATES = Statement(maintenance.RESCUE_CANDIDATES)
+    RESCUE = Statement(maintenance.RESCUE)
+    PRUNE = Statement(maintenance.PRUNE)
+    PRUNE_CRON = Statement(maintenance.PRUNE_CRON)
+    NOTIFY_QUEUES = Statement(maintenance.NOTIFY_QUEUES)
+
+    # operators
+    STATS = Statement(admin.STATS)
+    QUEUE_DEPTH = Statement(admin.QUEUE_DEPTH)
+    OLDEST_RUNNABLE = Statement(admin.OLDEST_RUNNABLE)
+    LIST_JOBS = Statement(admin.LIST_JOBS)
+    GET_JOB = Statement(admin.GET_JOB)
+    DISCARD_WAITING = Statement(admin.DISCARD_WAITING)
+    CANCEL_WAITING = Statement(admin.CANCEL_WAITING)
+    REQUEST_CANCEL = Statement(admin.REQUEST_CANCEL)
+    CANCEL_PENDING = Statement(admin.CANCEL_PENDING)
+    SET_PAUSED = Statement(admin.SET_PAUSED)
+    SET_LIMITS = Statement(admin.SET_LIMITS)
+    LIST_QUEUES = Statement(admin.LIST_QUEUES)
+    RETRY_DISCARDED = Statement(admin.RETRY_DISCARDED)
+
+    # cron
+    CRON_LAST_SLOT = Statement(cron.CRON_LAST_SLOT)
+    CRON_CLAIM_SLOT = Statement(cron.CRON_CLAIM_SLOT)
+    CRON_SET_JOB = Statement(cron.CRON_SET_JOB)
+    CRON_MISSED = Statement(cron.CRON_MISSED)
+    CRON_LIST = Statement(cron.CRON_LIST)
+
+    # schema
+    DB_NOW = Statement(schema.DB_NOW)
+    DROP_SCHEMA = Statement(schema.DROP_SCHEMA)
+    SCHEMA_VERSION = Statement(schema.SCHEMA_VERSION)
+    SCHEMA_EXISTS = Statement(schema.SCHEMA_EXISTS)
+    MIGRATION_LOCK = Statement(schema.MIGRATION_LOCK)
+    CREATE_MIGRATIONS_TABLE = Statement(schema.CREATE_MIGRATIONS_TABLE)
+    APPLIED_MIGRATIONS = Statement(schema.APPLIED_MIGRATIONS)
+    RECORD_MIGRATION = Statement(schema.RECORD_MIGRATION)
+    PROBE_NOTIFY = Statement(schema.PROBE_NOTIFY)

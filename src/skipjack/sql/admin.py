@@ -1,0 +1,107 @@
+"""Statements for operators: inspection, cancellation, the dead letter and queue settings."""
+
+from __future__ import annotations
+
+STATS = """
+SELECT queue, state, count(*) AS jobs FROM {schema}.jobs GROUP BY queue, state ORDER BY 1, 2
+"""
+
+# How many jobs wait and run per queue: served by the partial indexes, whatever the history.
+QUEUE_DEPTH = """
+SELECT queue, state, count(*) FROM {schema}.jobs
+ WHERE state IN ('scheduled', 'available', 'running') GROUP BY queue, state ORDER BY 1, 2
+"""
+
+OLDEST_RUNNABLE = """
+SELECT queue, extract(epoch FROM now() - min(run_at))::float8 AS age_seconds
+  FROM {schema}.jobs
+ WHERE state = 'available' AND run_at <= now()
+ GROUP BY queue ORDER BY queue
+"""
+
+LIST_JOBS = """
+SELECT id, queue, task, state, attempt, max_attempts, priority, run_at, created_at,
+       finished_at, errors -> -1 AS last_error
+  FROM {schema}.jobs
+ WHERE (%(state)s::text IS NULL OR state = %(state)s)
+   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+ ORDER BY id DESC
+ LIMIT %(limit)s
+"""
+
+GET_JOB = """
+SELECT id, queue, task, args, state, attempt, max_attempts, priority, run_at, created_at,
+       attempted_at, finished_at, lease_expires_at, lease_version, worker, idempotency_key,
+       cancel_requested, errors, result
+  FROM {schema}.jobs WHERE id = %(id)s
+"""
+
+# Send waiting jobs to the dead letter by hand (running ones are left alone).
+DISCARD_WAITING = """
+UPDATE {schema}.jobs SET state = 'discarded', finished_at = now()
+ WHERE id = ANY(%(id)s::bigint[]) AND state IN ('scheduled', 'available')
+RETURNING id
+"""
+
+# Which jobs: given ids, and/or a queue, and/or a task (NULL matches all). Both statements
+# take rows in id order with SKIP LOCKED, so they never wait on (or deadlock with) workers or
+# pruners; the caller repeats them until CANCEL_PENDING finds nothing left.
+_CANCEL_FILTER = """(%(id)s::bigint[] IS NULL OR id = ANY(%(id)s::bigint[]))
+       AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+       AND (%(task)s::text IS NULL OR task = %(task)s)"""
+
+CANCEL_WAITING = """
+WITH c AS (
+    SELECT id FROM {schema}.jobs
+     WHERE state IN ('scheduled', 'available') AND """ + _CANCEL_FILTER + """
+     ORDER BY id LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE {schema}.jobs AS j SET state = 'cancelled', finished_at = now()
+  FROM c WHERE j.id = c.id
+RETURNING j.id
+"""
+
+REQUEST_CANCEL = """
+WITH c AS (
+    SELECT id FROM {schema}.jobs
+     WHERE state = 'running' AND NOT cancel_requested AND """ + _CANCEL_FILTER + """
+     ORDER BY id LIMIT %(limit)s FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE {schema}.jobs AS j SET cancel_requested = true FROM c WHERE j.id = c.id
+RETURNING j.id
+"""
+
+CANCEL_PENDING = """
+SELECT count(*) FROM {schema}.jobs
+ WHERE (state IN ('scheduled', 'available') OR (state = 'running' AND NOT cancel_requested))
+   AND """ + _CANCEL_FILTER + """
+"""
+SET_PAUSED = """
+INSERT INTO {schema}.queues (name, paused) VALUES (%(queue)s, %(paused)s)
+ON CONFLICT (name) DO UPDATE SET paused = EXCLUDED.paused
+"""
+
+SET_LIMITS = """
+INSERT INTO {schema}.queues (name, concurrency_limit, rate_limit, rate_period)
+VALUES (%(queue)s, %(concurrency)s, %(rate)s, %(period)s)
+ON CONFLICT (name) DO UPDATE
+   SET concurrency_limit = EXCLUDED.concurrency_limit, rate_limit = EXCLUDED.rate_limit,
+       rate_period = EXCLUDED.rate_period, window_start = NULL, window_count = 0
+"""
+
+LIST_QUEUES = """
+SELECT name, paused, concurrency_limit, rate_limit, rate_period FROM {schema}.queues ORDER BY 1
+"""
+# Re-enqueue a discarded (dead-letter) job: a fresh set of attempts, runnable now.
+# (Not when another job now holds its idempotency key: that one wins.)
+RETRY_DISCARDED = """
+UPDATE {schema}.jobs AS j
+   SET state = 'available', attempt = 0, run_at = now(), finished_at = NULL,
+       cancel_requested = false
+ WHERE j.id = ANY(%(id)s::bigint[]) AND j.state = 'discarded'
+   AND (j.idempotency_key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM {schema}.jobs AS o
+         WHERE o.idempotency_key = j.idempotency_key AND o.id <> j.id
+           AND (o.unique_states & {schema}.state_bit(o.state)) <> 0))
+RETURNING j.id, j.queue
+"""

@@ -1,0 +1,159 @@
+"""Statements that claim jobs, and what a claim needs around it.
+
+A claim takes jobs from ONE queue per statement (an ordered scan of the partial index;
+``queue = ANY(...)`` would need a sort), marks them running, starts their lease (the job's own
+``lease_seconds``, else the worker's; never shorter than ``min_lease``, the shortest lease the
+worker's heartbeat keeps alive), counts the attempt and raises the fencing token by a random
+step (see :mod:`skipjack.sql`). Args larger than ``inline_bytes`` (serialised) are not
+returned; the worker loads them with LOAD_ARGS just before the handler runs.
+
+``claim_mode_tasks`` / ``claim_mode`` split the claims of tasks declared
+``transaction="claim"`` (claimed and run in one open transaction, ``claim_mode`` true: only
+those tasks) from lease claims (``claim_mode`` false: every other task).
+
+Every variant is built by :func:`claim_jobs` (which jobs, in which order, how many); the
+claims of a queue with a concurrency or rate limit by :func:`claim_limited_jobs`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .arrays import text_array
+
+
+def claim_jobs(*, queue_filter: str, order: str, limit: str) -> str:
+    """The claim statement.
+
+    Args:
+        queue_filter: a condition on the queue's settings (paused, limited) that must hold.
+        order: the ORDER BY list: :data:`PRIORITY_ORDER` or :data:`OLDEST_ORDER`.
+        limit: the LIMIT expression.
+    """
+    return ("""
+UPDATE {schema}.jobs AS j
+   SET state = 'running',
+       attempt = j.attempt + 1,
+       attempted_at = now(),
+       lease_expires_at = now() + make_interval(secs => greatest(
+                              coalesce(j.lease_seconds, %(lease)s), %(min_lease)s)),
+       lease_version = j.lease_version + 1 + floor(random() * 2147483647)::bigint,
+       worker = %(worker)s
+  FROM (SELECT id FROM {schema}.jobs
+         WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
+           AND (task = ANY(%(claim_mode_tasks)s::text[])) = %(claim_mode)s
+           AND """ + queue_filter + """
+         ORDER BY """ + order + """
+         LIMIT """ + limit + """
+           FOR NO KEY UPDATE SKIP LOCKED) AS c
+ WHERE j.id = c.id
+RETURNING j.id, j.queue, j.task,
+          CASE WHEN j.args_bytes <= %(inline_bytes)s THEN j.args END AS args,
+          j.priority, j.attempt, j.max_attempts, j.lease_version, j.created_at, j.run_at,
+          j.attempted_at, j.idempotency_key,
+          greatest(coalesce(j.lease_seconds, %(lease)s), %(min_lease)s) AS lease
+""")
+
+
+PRIORITY_ORDER = "priority DESC, run_at, id"
+# Every fairness_every-th claim that takes jobs: oldest first, so no priority can starve.
+OLDEST_ORDER = "run_at, id"
+
+# A paused queue, or one with a concurrency or rate limit, is not claimed by CLAIM: limited
+# queues go through LOCK_QUEUE + CLAIM_LIMITED, paused ones not at all.
+_UNCONTROLLED = """NOT EXISTS (SELECT 1 FROM {schema}.queues AS q WHERE q.name = %(queue)s
+                  AND (q.paused OR q.concurrency_limit IS NOT NULL OR q.rate_limit IS NOT NULL))"""
+# Claim-mode claims: only a pause applies (their running jobs are invisible to other
+# sessions, so limits could not count them).
+_NOT_PAUSED = """NOT EXISTS (SELECT 1 FROM {schema}.queues AS q
+                                                 WHERE q.name = %(queue)s AND q.paused)"""
+
+CLAIM = claim_jobs(queue_filter=_UNCONTROLLED, order=PRIORITY_ORDER, limit="%(limit)s")
+CLAIM_OLDEST = claim_jobs(queue_filter=_UNCONTROLLED, order=OLDEST_ORDER, limit="%(limit)s")
+CLAIM_IN_TRANSACTION = claim_jobs(queue_filter=_NOT_PAUSED, order=PRIORITY_ORDER,
+                                  limit="%(limit)s")
+
+# Limited queues: LOCK_QUEUE (first statement of a transaction) serialises the claims of
+# one queue, so CLAIM_LIMITED (second statement, fresh snapshot) counts every claim that
+# committed before it. Only running jobs with a live lease count against the concurrency
+# limit; the rate window is opened or advanced here too.
+LOCK_QUEUE = """
+SELECT paused FROM {schema}.queues WHERE name = %(queue)s FOR UPDATE
+"""
+
+
+def claim_limited_jobs(order: str) -> str:
+    """The claim from a limited queue (after LOCK_QUEUE), in ``order`` (see
+    :func:`claim_jobs`): as many as its limits allow, counted into its rate window."""
+    return ("""
+WITH q AS (
+    SELECT q.*, q.window_start IS NULL
+                OR q.window_start + make_interval(secs => q.rate_period) <= now() AS new_window
+      FROM {schema}.queues AS q WHERE q.name = %(queue)s AND NOT q.paused
+), allowed AS (
+    SELECT greatest(0, least(
+             %(limit)s,
+             coalesce(q.concurrency_limit - (SELECT count(*) FROM {schema}.jobs AS r
+                                              WHERE r.queue = %(queue)s AND r.state = 'running'
+                                                AND r.lease_expires_at > now()), %(limit)s),
+             coalesce(q.rate_limit - CASE WHEN q.new_window THEN 0 ELSE q.window_count END,
+                      %(limit)s))) AS n
+      FROM q
+), claimed AS (
+""" + claim_jobs(queue_filter="true", order=order,
+                           limit="coalesce((SELECT n FROM allowed), 0)").strip() + """
+), counted AS (
+    UPDATE {schema}.queues AS q
+       SET window_start = CASE WHEN q2.new_window THEN now() ELSE q.window_start END,
+           window_count = CASE WHEN q2.new_window THEN 0 ELSE q.window_count END
+                          + (SELECT count(*) FROM claimed)
+      FROM q AS q2
+     WHERE q.name = q2.name AND q.rate_limit IS NOT NULL
+)
+SELECT * FROM claimed
+""")
+
+
+CLAIM_LIMITED = claim_limited_jobs(PRIORITY_ORDER)
+CLAIM_LIMITED_OLDEST = claim_limited_jobs(OLDEST_ORDER)
+
+# The producer's connection: claims need not wait for their WAL flush. A claim lost in a
+# crash only makes its job claimable again, and its token is not handed out again (see
+# :mod:`skipjack.sql`).
+NO_WAIT_FOR_FLUSH = "SET synchronous_commit = off"
+
+LIMITED_QUEUES = """
+SELECT name FROM {schema}.queues WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL
+"""
+
+# Claim-mode transactions: the server ends the session, rolling the claim back, if the
+# worker leaves the transaction idle longer than the job's lease.
+SET_IDLE_TIMEOUT = """
+SELECT set_config('idle_in_transaction_session_timeout', %(ms)s::text, true)
+"""
+
+# Args too large to come with the claim, read while the claim is still current.
+LOAD_ARGS = """
+SELECT args FROM {schema}.jobs WHERE id = %(id)s AND lease_version = %(lease_version)s
+"""
+
+
+def claim_params(queue: str, limit: int, *, lease: float, worker: str,
+                 min_lease: float = 0.0, inline_bytes: int = 256 * 1024,
+                 claim_mode_tasks: list[str] | None = None,
+                 claim_mode: bool = False) -> dict[str, Any]:
+    """Bind values of every claim statement of this module.
+
+    Args:
+        queue: the one queue to claim from.
+        limit: the most jobs to claim.
+        lease: seconds, the worker's lease (a job may carry its own).
+        worker: the name stored on the claimed rows.
+        min_lease: seconds, the shortest lease the worker's heartbeat keeps alive.
+        inline_bytes: args up to this size (bytes) come with the claim; larger ones are
+            loaded later.
+        claim_mode_tasks, claim_mode: see the module's docstring.
+    """
+    return {"queue": queue, "limit": limit, "lease": lease, "worker": worker,
+            "min_lease": min_lease, "inline_bytes": inline_bytes,
+            "claim_mode_tasks": text_array(claim_mode_tasks or []), "claim_mode": claim_mode}

@@ -1,0 +1,80 @@
+"""Statements that insert jobs (many in one statement, or one alone) and the look-up of the
+ids of idempotency keys already held.
+
+Each insert comes with and without the idempotency-key conflict clause, built by
+:func:`insert_jobs`.
+"""
+
+from __future__ import annotations
+
+# Many jobs in one statement. args is bound as one array literal (sql.arrays.text_array);
+# each other column either as an array literal too, or, when every job shares its value (one
+# task's jobs usually do), as that one value in same_<column> with the array NULL: fewer and
+# shorter arrays to build, bind and unnest (10,000 jobs of one task: 42 ms instead of 59 to
+# build the values and run the statement). Rows are inserted in array order (WITH ORDINALITY
+# + ORDER BY), so identity values grow in input order. Delays are seconds, added to the
+# database clock; a job due later waits in 'scheduled'.
+_INSERT_MANY = """
+INSERT INTO {schema}.jobs (queue, task, args, args_bytes, priority, max_attempts, run_at, state,
+                           idempotency_key, unique_states, lease_seconds)
+SELECT x.queue, x.task, x.args::jsonb, octet_length(x.args), x.priority, x.max_attempts,
+       x.at, CASE WHEN x.at > now() THEN 'scheduled' ELSE 'available' END,
+       x.idempotency_key, x.unique_states, x.lease_seconds
+  FROM (SELECT u.ord, u.args,
+               coalesce(u.queue, %(same_queue)s::text) AS queue,
+               coalesce(u.task, %(same_task)s::text) AS task,
+               coalesce(u.priority, %(same_priority)s::smallint) AS priority,
+               coalesce(u.max_attempts, %(same_max_attempts)s::int) AS max_attempts,
+               coalesce(u.run_at, %(same_run_at)s::timestamptz,
+                        now() + make_interval(secs => coalesce(
+                            u.delay, %(same_delay)s::float8, 0))) AS at,
+               coalesce(u.idempotency_key, %(same_idempotency_key)s::text) AS idempotency_key,
+               coalesce(u.unique_states, %(same_unique_states)s::smallint) AS unique_states,
+               coalesce(u.lease_seconds, %(same_lease_seconds)s::float8) AS lease_seconds
+          FROM unnest(%(args)s::text[], %(queue)s::text[], %(task)s::text[],
+                      %(priority)s::smallint[], %(max_attempts)s::int[],
+                      %(run_at)s::timestamptz[], %(delay)s::float8[],
+                      %(idempotency_key)s::text[], %(unique_states)s::smallint[],
+                      %(lease_seconds)s::float8[])
+               WITH ORDINALITY AS u(args, queue, task, priority, max_attempts, run_at, delay,
+                                    idempotency_key, unique_states, lease_seconds, ord)) AS x
+ ORDER BY x.ord"""
+
+# The same for one job: a single row is cheaper to plan and run than unnest of ten arrays.
+_INSERT_ONE = """
+INSERT INTO {schema}.jobs (queue, task, args, args_bytes, priority, max_attempts, run_at, state,
+                           idempotency_key, unique_states, lease_seconds)
+SELECT %(queue)s, %(task)s, x.args::jsonb, octet_length(x.args),
+       %(priority)s::smallint, %(max_attempts)s::int,
+       x.at, CASE WHEN x.at > now() THEN 'scheduled' ELSE 'available' END,
+       %(idempotency_key)s::text, %(unique_states)s::smallint, %(lease_seconds)s::float8
+  FROM (SELECT %(args)s::text AS args,
+               coalesce(%(run_at)s::timestamptz,
+                        now() + make_interval(secs => coalesce(%(delay)s::float8, 0))) AS at
+       ) AS x"""
+
+# A key already held by a job in one of its unique_states makes the row a no-op (the caller
+# then reads the existing id with EXISTING_KEYS). A batch without keys goes without it,
+# skipping the conflict check and its per-row speculative insertion.
+_ON_CONFLICT = """
+ON CONFLICT (idempotency_key)
+   WHERE idempotency_key IS NOT NULL AND (unique_states & {schema}.state_bit(state)) <> 0
+   DO NOTHING"""
+
+
+def insert_jobs(insert: str, *, keys: bool) -> str:
+    """``insert`` (an INSERT ... SELECT of jobs), with the conflict clause on idempotency keys
+    when ``keys`` is true, returning (id, idempotency_key) per inserted row."""
+    return insert + (_ON_CONFLICT if keys else "") + "\nRETURNING id, idempotency_key\n"
+
+
+ENQUEUE = insert_jobs(_INSERT_MANY, keys=True)
+ENQUEUE_NO_KEYS = insert_jobs(_INSERT_MANY, keys=False)
+ENQUEUE_ONE = insert_jobs(_INSERT_ONE, keys=True)
+ENQUEUE_ONE_NO_KEYS = insert_jobs(_INSERT_ONE, keys=False)
+
+EXISTING_KEYS = """
+SELECT id, idempotency_key FROM {schema}.jobs
+ WHERE idempotency_key = ANY(%(keys)s::text[])
+   AND (unique_states & {schema}.state_bit(state)) <> 0
+"""

@@ -1,0 +1,85 @@
+"""Fenced statements about a claimed job: its outcome, and the renewal of its lease.
+
+Both match rows on (id, lease_version, state = 'running'): a write whose fencing token is no
+longer current changes nothing (see :mod:`skipjack.sql`)."""
+
+from __future__ import annotations
+
+# One statement records a batch of outcomes, given as one JSON array of objects (see
+# skipjack.outcome.outcome_params): one text value binds and parses far faster than six
+# arrays.
+# kind is one of
+#   'complete' -> succeeded;
+#   'retry'    -> runnable again after `delay` seconds, or discarded if attempts are used up;
+#   'discard'  -> discarded (dead letter) now;
+#   'cancel'   -> cancelled now (a cancellation was requested while it ran);
+#   'release'  -> runnable after `delay` seconds, the attempt not counted (shutdown, snooze,
+#                 or the job's own transaction lost its connection to the database).
+# A job runnable later is 'scheduled', one runnable now 'available'. A job whose
+# cancellation was requested ends 'cancelled' instead of being retried or released.
+# Times are statement_timestamp(): in a handler's own transaction now() is its start.
+# Rows are matched on (id, lease_version, state = 'running'): stale outcomes change nothing
+# and are missing from RETURNING.
+RECORD_OUTCOMES = """
+UPDATE {schema}.jobs AS j
+   SET state = CASE
+                 WHEN o.kind = 'complete' THEN 'succeeded'
+                 WHEN o.kind = 'discard' THEN 'discarded'
+                 WHEN o.kind = 'cancel' OR j.cancel_requested THEN 'cancelled'
+                 WHEN o.kind = 'retry' AND j.attempt >= j.max_attempts THEN 'discarded'
+                 WHEN o.delay > 0 THEN 'scheduled'
+                 ELSE 'available'
+               END,
+       attempt = CASE WHEN o.kind = 'release' THEN j.attempt - 1 ELSE j.attempt END,
+       run_at = CASE
+                  WHEN o.kind = 'retry' AND j.attempt < j.max_attempts
+                    THEN statement_timestamp() + make_interval(secs => o.delay)
+                  WHEN o.kind = 'release'
+                    THEN statement_timestamp() + make_interval(secs => o.delay)
+                  ELSE j.run_at
+                END,
+       finished_at = CASE
+                       WHEN o.kind IN ('complete', 'discard', 'cancel') OR j.cancel_requested
+                         THEN statement_timestamp()
+                       WHEN o.kind = 'retry' AND j.attempt >= j.max_attempts
+                         THEN statement_timestamp()
+                     END,
+       lease_expires_at = NULL,
+       worker = NULL,
+       result = o.result::jsonb,
+       errors = CASE WHEN o.error IS NULL THEN j.errors
+                     ELSE j.errors || jsonb_build_array(o.error::jsonb
+                          || jsonb_build_object('at', statement_timestamp(), 'worker', j.worker))
+                END
+  FROM json_to_recordset(%(outcomes)s::json)
+       AS o(id bigint, lease_version bigint, kind text, delay float8, result text, error text)
+ WHERE j.id = o.id AND j.lease_version = o.lease_version AND j.state = 'running'
+RETURNING j.id, j.state
+"""
+
+# Renew the leases of a batch of running jobs (fenced). It never waits on a row lock (SKIP
+# LOCKED): the worker's own completer, a cancel request or a rescuer may hold some of the rows,
+# and waiting on them in another order than theirs could deadlock. One row per job still held
+# as of the statement's snapshot: cancel_requested is NULL for a job locked by someone else
+# (not renewed this time; the next beat tries again). Ids missing from the result lost their
+# lease; cancel_requested true tells the worker to stop the handler.
+HEARTBEAT = """
+WITH h AS (
+    SELECT j.id, j.lease_version FROM {schema}.jobs AS j
+      JOIN unnest(%(id)s::bigint[], %(lease_version)s::bigint[]) AS h(id, lease_version)
+        ON j.id = h.id AND j.lease_version = h.lease_version
+     WHERE j.state = 'running'
+), locked AS (
+    SELECT j.id FROM {schema}.jobs AS j
+      JOIN h ON j.id = h.id AND j.lease_version = h.lease_version
+     WHERE j.state = 'running'
+       FOR NO KEY UPDATE OF j SKIP LOCKED
+), renewed AS (
+    UPDATE {schema}.jobs AS j
+       SET lease_expires_at = now() + make_interval(secs => greatest(
+                                  coalesce(j.lease_seconds, %(lease)s), %(min_lease)s))
+      FROM locked WHERE j.id = locked.id
+    RETURNING j.id, j.cancel_requested
+)
+SELECT h.id, renewed.cancel_requested FROM h LEFT JOIN renewed ON renewed.id = h.id
+"""

@@ -1,0 +1,49 @@
+"""Unit: the worker's capacity accounting (skipjack.runtime.slots, no database)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from skipjack.context import Job, JobContext
+from skipjack.runtime.slots import Running, Slots
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def job(job_id: int) -> Job:
+    return Job(job_id, "q", "t", {}, 0, 1, 25, 1, NOW, NOW, NOW, None, 30.0)
+
+
+def test_room_is_free_slots_plus_free_prefetch_places() -> None:
+    slots = Slots(concurrency=4, prefetch=4)
+    assert slots.room(0) == 8 and slots.has_free_slot()
+    slots.running[1] = Running(job(1), JobContext(job(1)))
+    slots.claim_mode = 1
+    slots.stuck_threads = 1
+    assert slots.busy() == 3 and slots.room(0) == 5
+    slots.ready[2] = job(2)
+    assert slots.room(0) == 4
+
+
+def test_a_buffer_over_half_full_claims_nothing_until_it_drains() -> None:
+    slots = Slots(concurrency=2, prefetch=4)
+    for i in range(3):
+        slots.ready[i] = job(i)
+    assert slots.room(0) == 0  # 3 > 4 // 2: wait, so claims come in batches
+    del slots.ready[0]
+    assert slots.room(0) == 4  # 2 + 4 - 0 busy - 2 waiting
+
+
+def test_full_slots_leave_no_free_slot() -> None:
+    slots = Slots(concurrency=1, prefetch=0)
+    slots.stuck_threads = 1
+    assert not slots.has_free_slot() and slots.room(0) == 0
+
+
+def test_unwritten_outcomes_pause_claims_until_they_are_written() -> None:
+    slots = Slots(concurrency=10, prefetch=10)
+    assert slots.max_unwritten == 1000  # ten claims' worth, at least 1,000
+    assert Slots(concurrency=200, prefetch=100).max_unwritten == 3000
+    assert slots.room(999) == 20 and not slots.claims_paused
+    assert slots.room(1000) == 0 and slots.claims_paused
+    assert slots.room(5) == 20 and not slots.claims_paused
