@@ -18,9 +18,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..app import App
-from ..completer import Outcome, outcome_params
-from ..queries import claim_params
+from skipjack.app import App
+from skipjack.completer import Outcome, outcome_params
+from skipjack.queries import claim_params
+
 from .common import Settings, connect, fresh_app, payload, percentiles
 from .tasks import register
 
