@@ -1,4 +1,5 @@
-# Sourced by the scripts beside it: make .venv with the project installed, on Python 3.11+.
+# Sourced by the scripts beside it: make .venv with skipjack and skipjack-tools (the demo,
+# chaos and the benchmarks, in tools/) installed, on Python 3.11+.
 set -e
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -6,4 +7,5 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+# One pip command for both, so that the local skipjack satisfies skipjack-tools' dependency.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]" -e ./tools

@@ -10,8 +10,8 @@ import psycopg
 import pytest
 
 from skipjack import App
-from skipjack.chaos import ChaosOptions, run_chaos
 from skipjack.db import channel_name
+from skipjack_tools.chaos import ChaosOptions, run_chaos
 
 from support import (
     Server,

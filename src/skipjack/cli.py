@@ -16,7 +16,6 @@ from rich.table import Table
 
 from . import embedded
 from .app import App
-from .bench.command import bench
 from .errors import SkipjackError
 from .jobs import STATES
 
@@ -52,7 +51,66 @@ def load_app(path: str, dsn: str | None, schema: str | None) -> App:
     return app
 
 
-@click.group()
+# Commands of the separate skipjack-tools distribution: name -> (module, attribute, the
+# summary --help lists). The module is imported only when the command is invoked or its own
+# help is asked for.
+_TOOL_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "bench": ("skipjack_tools.bench.command", "bench",
+              "Benchmark skipjack (W1-W8, the SQL ceiling, memory), optionally side by side "
+              "with other PostgreSQL queues."),
+    "chaos": ("skipjack_tools.commands", "chaos",
+              "Run jobs while killing, stalling and cutting off workers and restarting "
+              "PostgreSQL; audit lost, stuck and duplicated work (exit 1 on any)."),
+    "demo": ("skipjack_tools.commands", "demo",
+             "Deliver webhooks to a flaky local receiver and audit the outcome."),
+}
+_TOOLS_MISSING = ("error: `skipjack {name}` is part of skipjack-tools, a separate distribution "
+                  "that is not installed; install it with `pip install ./tools` from a "
+                  "checkout of skipjack (`pip install './tools[bench]'` adds the benchmark's "
+                  "plot)")
+
+
+class _Main(click.Group):
+    """The main group: the library's commands, and those of skipjack-tools loaded lazily."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_TOOL_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in _TOOL_COMMANDS:
+            return super().get_command(ctx, cmd_name)
+        module_name, attr, _ = _TOOL_COMMANDS[cmd_name]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != "skipjack_tools":
+                raise  # skipjack-tools is installed; something it imports is not
+            if ctx.resilient_parsing:  # shell completion: just no such command
+                return None
+            click.echo(_TOOLS_MISSING.format(name=cmd_name), err=True)
+            ctx.exit(2)
+        command = getattr(module, attr)
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{module_name}.{attr} is not a click command")
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list of ``--help``, without importing skipjack-tools."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        rows = []
+        for name in names:
+            if name in _TOOL_COMMANDS:  # a summary, not the command (not imported)
+                command: click.Command | None = click.Command(name, help=_TOOL_COMMANDS[name][2])
+            else:
+                command = super().get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=_Main)
 @click.option("--dsn", envvar="SKIPJACK_DATABASE_URL", default=None,
               help="PostgreSQL URI. Default: $SKIPJACK_DATABASE_URL, $DATABASE_URL, "
                    "else the embedded server.")
@@ -115,8 +173,9 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
     w = Worker(app, list(queues), concurrency=concurrency, batch_size=batch_size, lease=lease,
                heartbeat=heartbeat, poll_interval=poll_interval, rescue_interval=rescue_interval,
                shutdown_grace=grace, stage_interval=stage_interval,
-               retention=_seconds(retention) if retention else None,
-               discarded_retention=_seconds(discarded_retention) if discarded_retention else None,
+               retention=parse_duration(retention) if retention else None,
+               discarded_retention=(parse_duration(discarded_retention)
+                                    if discarded_retention else None),
                prefetch=prefetch, fairness_every=fairness_every, name=name)
     if migrate:
         app.migrate()
@@ -265,7 +324,7 @@ def queues_limit(ctx: click.Context, queue: str, concurrency: int | None, rate: 
                  period: str | None) -> None:
     """Set QUEUE's limits (an option left out removes that limit)."""
     _app(ctx).set_queue_limits(queue, concurrency=concurrency, rate=rate,
-                               period=_seconds(period) if period else None)
+                               period=parse_duration(period) if period else None)
     click.echo(f"{queue}: concurrency {concurrency or 'unlimited'}, rate "
                f"{f'{rate} per {period}' if rate else 'unlimited'}")
 
@@ -278,8 +337,8 @@ def queues_limit(ctx: click.Context, queue: str, concurrency: int | None, rate: 
 @click.pass_context
 def prune_command(ctx: click.Context, retention: str, discarded_retention: str | None) -> None:
     """Delete finished jobs past their retention, in small batches."""
-    deleted = _app(ctx).prune(_seconds(retention),
-                              _seconds(discarded_retention) if discarded_retention else None)
+    deleted = _app(ctx).prune(parse_duration(retention), (parse_duration(discarded_retention)
+                                                          if discarded_retention else None))
     click.echo(f"deleted {deleted} jobs")
 
 
@@ -304,33 +363,19 @@ def cron_list(ctx: click.Context, app_path: str) -> None:
                                "missed": missed}))
 
 
-@main.command()
-@click.option("--jobs", "n_jobs", default=5000, show_default=True,
-              type=click.IntRange(1, 1_000_000))
-@click.option("--concurrency", default=32, show_default=True, type=click.IntRange(1, 1000))
-@click.option("--fail-rate", default=0.1, show_default=True, type=click.FloatRange(0, 0.9),
-              help="Share of requests the receiver answers with 429 or 500.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
-@click.pass_context
-def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
-         as_json: bool) -> None:
-    """Deliver webhooks to a flaky local receiver and audit the outcome."""
-    from .demo import run_demo
+def parse_duration(value: str) -> float:
+    """A duration in seconds from text such as ``500ms``, ``2s``, ``5m``, ``12h``, ``7d`` or a
+    plain number of seconds (``"90"``, ``"0.5"``).
 
-    if as_json:
-        logging.getLogger("skipjack").setLevel(logging.ERROR)
-    summary = run_demo(ctx.obj["dsn"], schema=(ctx.obj["schema"] or "skipjack") + "_demo",
-                       jobs=n_jobs,
-                       concurrency=concurrency, fail_rate=fail_rate, progress=not as_json)
-    if as_json:
-        click.echo(json.dumps(summary))
-    else:
-        Console().print_json(json.dumps(summary))
-    sys.exit(1 if summary["lost"] else 0)
+    Args:
+        value: the text (``str``); surrounding blanks and letter case do not matter.
 
+    Returns:
+        The duration in seconds, as a ``float``.
 
-def _seconds(value: str) -> float:
-    """'500ms', '2s', '5m', '12h', '7d' or a plain number of seconds -> seconds."""
+    Raises:
+        click.BadParameter: the text is not a number, alone or with one of those units.
+    """
     text = value.strip().lower()
     units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
     try:
@@ -340,55 +385,6 @@ def _seconds(value: str) -> float:
         return float(text)
     except ValueError:
         raise click.BadParameter(f"{value!r} is not a duration like 2s, 500ms or 7d") from None
-
-
-@main.command()
-@click.option("--jobs", "n_jobs", default=2000, show_default=True, type=click.IntRange(1, 10**7))
-@click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 64),
-              help="Worker processes.")
-@click.option("--concurrency", default=16, show_default=True, type=click.IntRange(1, 1000))
-@click.option("--duration-ms", default=10.0, show_default=True, type=float,
-              help="Work per job.")
-@click.option("--kill-every", default="0", help="SIGKILL a random worker (e.g. 2s); 0: never.")
-@click.option("--stall-every", default="0", help="SIGSTOP a worker past its lease, then resume.")
-@click.option("--restart-db-every", default="0", help="Restart PostgreSQL.")
-@click.option("--terminate-backends-every", default="0",
-              help="pg_terminate_backend every session of the workers.")
-@click.option("--restart-cmd", default=None,
-              help="Command that restarts an external server, e.g. "
-                   "'pg_ctlcluster 15 main restart -m fast'.")
-@click.option("--lease", default=2.0, show_default=True, type=float, help="Seconds.")
-@click.option("--seed", default=None, type=int)
-@click.option("--timeout", default="600s", show_default=True, help="Give up after this long.")
-@click.option("--json", "as_json", is_flag=True, help="Print the audit as one JSON object.")
-@click.pass_context
-def chaos(ctx: click.Context, n_jobs: int, workers: int, concurrency: int, duration_ms: float,
-          kill_every: str, stall_every: str, restart_db_every: str,
-          terminate_backends_every: str, restart_cmd: str | None, lease: float,
-          seed: int | None, timeout: str, as_json: bool) -> None:
-    """Run jobs while killing, stalling and cutting off workers and restarting PostgreSQL;
-    audit lost, stuck and duplicated work (exit 1 on any)."""
-    from .chaos import ChaosOptions, run_chaos
-
-    opts = ChaosOptions(
-        jobs=n_jobs, workers=workers, concurrency=concurrency, duration_ms=duration_ms,
-        kill_every=_seconds(kill_every), stall_every=_seconds(stall_every),
-        restart_db_every=_seconds(restart_db_every),
-        terminate_backends_every=_seconds(terminate_backends_every),
-        restart_cmd=restart_cmd, lease=lease, seed=seed, timeout=_seconds(timeout),
-        schema=(ctx.obj["schema"] or "skipjack") + "_chaos")
-    try:
-        audit = run_chaos(ctx.obj["dsn"], opts, echo=None if as_json else click.echo)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    if as_json:
-        click.echo(json.dumps(audit))
-    else:
-        Console().print_json(json.dumps(audit))
-    sys.exit(0 if audit["ok"] else 1)
-
-
-main.add_command(bench)
 
 
 def run() -> None:

@@ -1,5 +1,5 @@
 """The PNG: throughput against concurrency, and the latency distributions (matplotlib,
-optional: ``pip install skipjack[bench]``)."""
+optional: ``pip install './tools[bench]'``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def write_plot(results: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import NullFormatter, ScalarFormatter
     except ImportError:
-        return "matplotlib is not installed (pip install 'skipjack[bench]')"
+        return "matplotlib is not installed (pip install './tools[bench]')"
     sj = results["skipjack"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     by = sj.get("w2", {}).get("by_concurrency", {})

@@ -14,8 +14,9 @@ from typing import Any
 
 from psycopg import sql
 
-from ..app import App
-from ..retry import Backoff
+from skipjack.app import App
+from skipjack.retry import Backoff
+
 from .common import QUEUE, Settings, connect, fresh_app
 from .worker_run import run_worker
 

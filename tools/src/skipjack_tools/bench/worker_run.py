@@ -14,10 +14,11 @@ from typing import Any
 
 from psycopg import sql
 
-from .. import eventloop
-from ..app import App
-from ..migrate import channel_name
-from ..worker import Worker
+from skipjack.app import App
+from skipjack.db import channel_name
+from skipjack.runtime import eventloop
+from skipjack.runtime.worker import Worker
+
 from .common import QUEUE, connect, wait_for
 
 
@@ -78,12 +79,12 @@ def drain_with_worker(app: App, jobs: int, *, concurrency: int, timeout: float,
 
 
 class WorkerProcesses:
-    """``python -m skipjack worker skipjack.bench.tasks:app`` child processes."""
+    """``python -m skipjack worker skipjack_tools.bench.tasks:app`` child processes."""
 
     def __init__(self, app: App, count: int, *extra: str) -> None:
         env = {**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn}
         cmd = [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema,
-               "worker", "skipjack.bench.tasks:app", "--queue", QUEUE, *extra]
+               "worker", "skipjack_tools.bench.tasks:app", "--queue", QUEUE, *extra]
         self.app = app
         self.procs = [subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

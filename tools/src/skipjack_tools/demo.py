@@ -23,10 +23,12 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .app import App
-from .context import current_job
-from .retry import Backoff
-from .worker import Worker
+from skipjack.app import App
+from skipjack.context import current_job
+from skipjack.retry import Backoff
+from skipjack.runtime.worker import Worker
+
+from .sql import DROP_SCHEMA, RUN_SUMMARY, render
 
 
 class Receiver(ThreadingHTTPServer):
@@ -102,7 +104,7 @@ def run_demo(
     """
     app = App(dsn, schema=schema)
     with app.connect() as conn:
-        conn.execute(app.queries.DROP_SCHEMA)
+        conn.execute(render(DROP_SCHEMA, app.schema))
     app.migrate()
     receiver = Receiver(fail_rate)
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
@@ -158,7 +160,7 @@ def run_demo(
     counts = {state: n for by_state in app.state_counts().values()
               for state, n in by_state.items()}
     with app.connect() as conn:
-        retried, span = conn.execute(app.queries.RUN_SUMMARY).fetchone() or (0, None)
+        retried, span = conn.execute(render(RUN_SUMMARY, app.schema)).fetchone() or (0, None)
     app.close()
     delivered = counts.get("succeeded", 0)
     discarded = counts.get("discarded", 0)

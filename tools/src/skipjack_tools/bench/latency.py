@@ -7,7 +7,8 @@ import multiprocessing
 import time
 from typing import Any
 
-from ..app import App
+from skipjack.app import App
+
 from .common import QUEUE, Settings, count_state, fresh_app, median, percentiles
 from .worker_run import StateCounter, run_worker
 

@@ -1,4 +1,4 @@
-"""Tasks for benchmark worker processes: ``skipjack worker skipjack.bench.tasks:app``.
+"""Tasks for benchmark worker processes: ``skipjack worker skipjack_tools.bench.tasks:app``.
 
 The schema comes from ``$SKIPJACK_SCHEMA`` (the bench sets it for each child process).
 """
@@ -9,7 +9,7 @@ import asyncio
 import os
 from typing import Any
 
-from ..app import App, Task
+from skipjack.app import App, Task
 
 app = App(schema=os.environ.get("SKIPJACK_SCHEMA", "skipjack"))
 

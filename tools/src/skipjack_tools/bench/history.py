@@ -18,9 +18,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..app import App
-from ..completer import Outcome, outcome_params
-from ..queries import claim_params
+from skipjack.app import App
+from skipjack.outcome import Outcome, outcome_params
+from skipjack.sql.claim import claim_params
+
 from .common import Settings, connect, fresh_app, payload, percentiles
 from .tasks import register
 

@@ -11,7 +11,8 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from ..app import resolve_dsn
+from skipjack.db import resolve_dsn
+
 from .common import Settings
 from .plot import write_plot
 from .report import print_report

@@ -20,7 +20,9 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from ..app import App
+from skipjack.app import App
+
+from ..sql import DROP_SCHEMA, render
 
 QUEUE = "bench"
 log = logging.getLogger("skipjack.bench")
@@ -121,7 +123,7 @@ def fresh_app(dsn: str, label: str) -> Iterator[App]:
         yield app
     finally:
         app.close()
-        _drop(dsn, app.queries.DROP_SCHEMA)
+        _drop(dsn, render(DROP_SCHEMA, app.schema))
 
 
 def percentiles(values: Sequence[float], points: Sequence[float] = (50, 95, 99)

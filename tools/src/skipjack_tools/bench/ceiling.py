@@ -18,9 +18,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..app import App
-from ..completer import Outcome, outcome_params
-from ..queries import claim_params
+from skipjack.app import App
+from skipjack.outcome import Outcome, outcome_params
+from skipjack.sql.claim import claim_params
+
 from .common import Settings, connect, drain_span, fresh_app, median, rate
 
 BATCH = 100
@@ -60,7 +61,7 @@ def pgbench_script(app: App, conn: psycopg.Connection[Any]) -> str:
     claim = app.queries.CLAIM.decode()
     for name, value in (("queue", "'bench'"), ("limit", str(BATCH)), ("lease", "30.0"),
                         ("worker", "'pgbench'"), ("inline_bytes", str(256 * 1024)),
-                        ("min_lease", "0"), ("held_tasks", "'{}'"), ("held", "false")):
+                        ("min_lease", "0"), ("claim_mode_tasks", "'{}'"), ("claim_mode", "false")):
         claim = claim.replace(f"%({name})s", value)
     record = app.queries.RECORD_OUTCOMES.decode().replace("%(outcomes)s", ":outcomes")
     gather = (f"WITH c AS ({claim.strip()})\n"

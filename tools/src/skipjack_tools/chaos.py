@@ -1,6 +1,6 @@
 """``skipjack chaos``: run a workload while injecting real faults, then audit the outcome.
 
-Worker processes (``python -m skipjack worker skipjack.chaos:app``) run ``chaos.effect`` jobs:
+Worker processes (``python -m skipjack worker skipjack_tools.chaos:app``) run ``chaos.effect`` jobs:
 each logs its start on a connection of its own, sleeps ``--duration-ms``, and writes one row to
 ``chaos_effects`` in the transaction that records its fenced completion
 (``transaction="complete"``). Meanwhile the controller SIGKILLs workers and starts
@@ -27,9 +27,21 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from . import embedded
-from .app import App, resolve_dsn
-from .context import current_job
+from skipjack import embedded
+from skipjack.app import App
+from skipjack.context import current_job
+from skipjack.db import resolve_dsn
+
+from .sql import (
+    CHAOS_AUDIT,
+    CHAOS_EFFECT,
+    CHAOS_FINISHED,
+    CHAOS_START,
+    CHAOS_TABLES,
+    DROP_SCHEMA,
+    TERMINATE_BACKENDS,
+    render,
+)
 
 app = App(schema=os.environ.get("SKIPJACK_SCHEMA", "skipjack_chaos"))
 _log_pool: ConnectionPool[psycopg.Connection[Any]] | None = None
@@ -41,10 +53,10 @@ def _log_start(params: dict[str, Any]) -> None:
     global _log_pool
     with _log_lock:
         if _log_pool is None:
-            _log_pool = ConnectionPool(app.dsn, min_size=1, max_size=2, kwargs=app.connect_kwargs,
-                                       open=True)
+            _log_pool = ConnectionPool(app.dsn, min_size=1, max_size=2,
+                                       kwargs=app.db.connect_kwargs, open=True)
     with _log_pool.connection() as conn:
-        conn.execute(app.queries.CHAOS_START, params)
+        conn.execute(render(CHAOS_START, app.schema), params)
 
 
 @app.task(name="chaos.effect", queue="chaos", transaction="complete")
@@ -55,7 +67,8 @@ def effect(ms: float) -> None:
     _log_start({"job_id": job.id, "attempt": job.attempt, "lease_version": job.lease_version,
                 "pid": os.getpid()})
     time.sleep(ms / 1000)
-    current_job().conn.execute(app.queries.CHAOS_EFFECT, {"job_id": job.id, "pid": os.getpid()})
+    current_job().conn.execute(render(CHAOS_EFFECT, app.schema),
+                               {"job_id": job.id, "pid": os.getpid()})
 
 
 @dataclass
@@ -91,7 +104,7 @@ class _Workers:
     def start(self) -> None:
         o = self.opts
         cmd = [sys.executable, "-m", "skipjack", "--dsn", self.dsn, "--schema", o.schema,
-               "worker", "skipjack.chaos:app", "--queue", "chaos",
+               "worker", "skipjack_tools.chaos:app", "--queue", "chaos",
                "--concurrency", str(o.concurrency), "--lease", str(o.lease),
                "--heartbeat", str(o.lease / 6), "--rescue-interval", str(o.lease / 4),
                "--poll-interval", "1", "--grace", "1"]
@@ -174,10 +187,10 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
     rng = random.Random(opts.seed)
     run = App(dsn, schema=opts.schema)
     with run.connect() as conn:
-        conn.execute(run.queries.DROP_SCHEMA)
+        conn.execute(render(DROP_SCHEMA, run.schema))
     run.migrate()
     with run.connect() as conn:
-        conn.execute(run.queries.CHAOS_TABLES)
+        conn.execute(render(CHAOS_TABLES, run.schema))
     app_name = f"skipjack-chaos-{os.getpid()}"
     logs = Path(tempfile.mkdtemp(prefix="skipjack-chaos-"))
     workers = _Workers(dsn, opts, logs, app_name)
@@ -219,7 +232,8 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
         audit = dict(zip(("rows", "completed", "discarded", "unfinished", "stuck",
                           "duplicate_effects", "missing_effects", "duplicate_starts",
                           "max_attempt"),
-                         conn.execute(run.queries.CHAOS_AUDIT).fetchone() or (), strict=True))
+                         conn.execute(render(CHAOS_AUDIT, run.schema)).fetchone() or (),
+                         strict=True))
     workers.stop()
     result = {
         "enqueued": opts.jobs,
@@ -268,12 +282,12 @@ def _inject(kind: str, workers: _Workers, rng: random.Random, opts: ChaosOptions
 def _terminate(dsn: str, app_name: str) -> None:
     run = App(dsn)
     with run.connect(application_name="skipjack-chaos-controller") as conn:
-        conn.execute(run.queries.TERMINATE_BACKENDS, {"application_name": app_name})
+        conn.execute(render(TERMINATE_BACKENDS, run.schema), {"application_name": app_name})
 
 
 def _count_finished(run: App) -> int:
     with run.connect(application_name="skipjack-chaos-controller") as conn:
-        row = conn.execute(run.queries.CHAOS_FINISHED).fetchone()
+        row = conn.execute(render(CHAOS_FINISHED, run.schema)).fetchone()
     return int(row[0]) if row else 0
 
 

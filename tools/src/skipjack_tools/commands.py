@@ -1,0 +1,88 @@
+"""The ``skipjack demo`` and ``skipjack chaos`` commands.
+
+``skipjack``'s command line loads them (and ``skipjack bench`` from
+:mod:`skipjack_tools.bench.command`) when they are invoked; each reads the ``--dsn`` and
+``--schema`` of the main command from ``ctx.obj``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+from rich.console import Console
+
+from skipjack.cli import parse_duration
+
+
+@click.command()
+@click.option("--jobs", "n_jobs", default=5000, show_default=True,
+              type=click.IntRange(1, 1_000_000))
+@click.option("--concurrency", default=32, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--fail-rate", default=0.1, show_default=True, type=click.FloatRange(0, 0.9),
+              help="Share of requests the receiver answers with 429 or 500.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.pass_context
+def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
+         as_json: bool) -> None:
+    """Deliver webhooks to a flaky local receiver and audit the outcome."""
+    from .demo import run_demo
+
+    if as_json:
+        logging.getLogger("skipjack").setLevel(logging.ERROR)
+    summary = run_demo(ctx.obj["dsn"], schema=(ctx.obj["schema"] or "skipjack") + "_demo",
+                       jobs=n_jobs,
+                       concurrency=concurrency, fail_rate=fail_rate, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        Console().print_json(json.dumps(summary))
+    sys.exit(1 if summary["lost"] else 0)
+
+
+@click.command()
+@click.option("--jobs", "n_jobs", default=2000, show_default=True, type=click.IntRange(1, 10**7))
+@click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="Worker processes.")
+@click.option("--concurrency", default=16, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--duration-ms", default=10.0, show_default=True, type=float,
+              help="Work per job.")
+@click.option("--kill-every", default="0", help="SIGKILL a random worker (e.g. 2s); 0: never.")
+@click.option("--stall-every", default="0", help="SIGSTOP a worker past its lease, then resume.")
+@click.option("--restart-db-every", default="0", help="Restart PostgreSQL.")
+@click.option("--terminate-backends-every", default="0",
+              help="pg_terminate_backend every session of the workers.")
+@click.option("--restart-cmd", default=None,
+              help="Command that restarts an external server, e.g. "
+                   "'pg_ctlcluster 15 main restart -m fast'.")
+@click.option("--lease", default=2.0, show_default=True, type=float, help="Seconds.")
+@click.option("--seed", default=None, type=int)
+@click.option("--timeout", default="600s", show_default=True, help="Give up after this long.")
+@click.option("--json", "as_json", is_flag=True, help="Print the audit as one JSON object.")
+@click.pass_context
+def chaos(ctx: click.Context, n_jobs: int, workers: int, concurrency: int, duration_ms: float,
+          kill_every: str, stall_every: str, restart_db_every: str,
+          terminate_backends_every: str, restart_cmd: str | None, lease: float,
+          seed: int | None, timeout: str, as_json: bool) -> None:
+    """Run jobs while killing, stalling and cutting off workers and restarting PostgreSQL;
+    audit lost, stuck and duplicated work (exit 1 on any)."""
+    from .chaos import ChaosOptions, run_chaos
+
+    opts = ChaosOptions(
+        jobs=n_jobs, workers=workers, concurrency=concurrency, duration_ms=duration_ms,
+        kill_every=parse_duration(kill_every), stall_every=parse_duration(stall_every),
+        restart_db_every=parse_duration(restart_db_every),
+        terminate_backends_every=parse_duration(terminate_backends_every),
+        restart_cmd=restart_cmd, lease=lease, seed=seed, timeout=parse_duration(timeout),
+        schema=(ctx.obj["schema"] or "skipjack") + "_chaos")
+    try:
+        audit = run_chaos(ctx.obj["dsn"], opts, echo=None if as_json else click.echo)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(audit))
+    else:
+        Console().print_json(json.dumps(audit))
+    sys.exit(0 if audit["ok"] else 1)
