@@ -137,7 +137,7 @@ async def async_effect(seconds: float = 0.0) -> None:
 
 @app.task(name="held_effect", transaction="claim", lease=2.0)
 def held_effect(seconds: float = 0.0) -> None:
-    """Runs inside its claim's transaction (the articles' first design)."""
+    """Runs inside its claim's transaction (transaction="claim")."""
     log_event("start")
     time.sleep(seconds if _starts() == 1 else 0)
     _write_effect(current_job().conn)

@@ -203,7 +203,7 @@ def test_held_claim_of_a_stalled_worker_is_ended_by_the_server(tasks: App,
             wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=30,
                        what="another worker ran it")
             a.signal(signal.SIGCONT)
-            wait_until(lambda: "held claim on default failed" in a.log(), timeout=30,
+            wait_until(lambda: "claim-mode claim on default failed" in a.log(), timeout=30,
                        what="the stalled worker's transaction failed")
     finally:
         a.kill()

@@ -71,7 +71,7 @@ def _is_tool_file(name: str) -> bool:
 
 def test_importing_the_library_and_its_cli_loads_no_tool_module() -> None:
     modules = _modules_after("import skipjack", "import skipjack.cli")
-    assert {"skipjack", "skipjack.cli", "skipjack.worker", "click"} <= modules
+    assert {"skipjack", "skipjack.cli", "skipjack.runtime.worker", "click"} <= modules
     assert _tool_modules(modules) == []
 
 
@@ -105,7 +105,7 @@ def test_the_library_wheel_ships_no_tool(tmp_path: Path) -> None:
         names = wheel.namelist()
         sources = {n: wheel.read(n).decode() for n in names if n.endswith(".py")}
         metadata = next(wheel.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
-    assert {"skipjack/__init__.py", "skipjack/cli.py", "skipjack/worker.py",
+    assert {"skipjack/__init__.py", "skipjack/cli.py", "skipjack/runtime/worker.py",
             "skipjack/py.typed"} <= set(names)
     assert any(n.startswith("skipjack/migrations/") and n.endswith(".sql") for n in names)
     assert [n for n in names if _is_tool_file(n)] == []

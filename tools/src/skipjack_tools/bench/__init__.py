@@ -1,4 +1,4 @@
-"""``skipjack bench``: the benchmark suite of issue 4 (see docs/performance.md).
+"""``skipjack bench``: the benchmark suite (see docs/performance.md).
 
 Modules: :mod:`.command` (the CLI), :mod:`.runner` (runs the scenarios, gathers the JSON),
 :mod:`.ceiling` (skipjack's SQL with no framework, and pgbench), :mod:`.enqueue` (W1),

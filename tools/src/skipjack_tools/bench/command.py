@@ -41,7 +41,7 @@ def _names(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
 @click.option("--only", default=",".join(SCENARIOS), show_default=True, metavar="SCENARIOS",
               help="Run only these of skipjack's scenarios.")
 @click.option("--scale", default=1.0, show_default=True, type=click.FloatRange(0.001, 100),
-              help="Multiply every job count (1 = the sizes of issue 4).")
+              help="Multiply every job count (1 = the sizes in docs/performance.md).")
 @click.option("--runs", default=3, show_default=True, type=click.IntRange(1, 20),
               help="Repetitions of the compared scenarios (medians are reported).")
 @click.option("--quick", is_flag=True,

@@ -35,7 +35,7 @@ class Settings:
 
     Args:
         dsn: the server's connection URI (a maintenance database such as ``postgres``).
-        scale: multiplies every job count (1.0 = the sizes of issue 4).
+        scale: multiplies every job count (1.0 = the sizes in docs/performance.md).
         runs: repetitions of the compared scenarios; medians are reported.
         quick: the seconds-long smoke mode: tiny sizes, one run, short waits.
         log: called with one line of progress.

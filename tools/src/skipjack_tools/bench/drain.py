@@ -1,4 +1,4 @@
-"""W2 drain, W4 the articles' 2 ms case, and worker memory (RSS)."""
+"""W2 drain, W4 the article's 2 ms case (docs/performance.md), and worker memory (RSS)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def w2(settings: Settings, concurrencies: tuple[int, ...] = (1, 10, 100)) -> dic
     return out
 
 
-def _articles_once(settings: Settings, jobs: int, processes: int) -> dict[str, Any]:
+def _two_ms_once(settings: Settings, jobs: int, processes: int) -> dict[str, Any]:
     with fresh_app(settings.dsn, "w4") as app:
         sleep = register(app)["sleep"]
         if processes == 1:
@@ -66,9 +66,9 @@ def w4(settings: Settings) -> dict[str, Any]:
     """W4: 2,000 jobs whose handler sleeps 2 ms, 8 at once: one process with concurrency 8,
     and 8 worker processes of concurrency 1. The ideal is 8 / 2 ms = 4,000 jobs/s."""
     jobs = settings.n(2000)
-    settings.log(f"W4 articles' case: {jobs} jobs x 2 ms, 8 concurrent (1 and 8 processes)")
-    one = repeat(settings.runs, lambda: _articles_once(settings, jobs, 1))
-    eight = repeat(settings.runs, lambda: _articles_once(settings, jobs, 8))
+    settings.log(f"W4 the article's case: {jobs} jobs x 2 ms, 8 concurrent (1 and 8 processes)")
+    one = repeat(settings.runs, lambda: _two_ms_once(settings, jobs, 1))
+    eight = repeat(settings.runs, lambda: _two_ms_once(settings, jobs, 8))
     return {"jobs": jobs, "ideal_jobs_per_s": 4000, "one_process": one,
             "eight_processes": eight, "jobs_per_s": one["jobs_per_s"]}
 

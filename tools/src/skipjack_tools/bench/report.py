@@ -1,4 +1,4 @@
-"""Ratios, the targets of issue 4, and the printed tables."""
+"""Ratios, the targets (docs/performance.md), and the printed tables."""
 
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def print_report(results: dict[str, Any], console: Console) -> None:
         table.add_row(*row)
     console.print(table)
     console.print(_other_table(sj))
-    tt = Table(title="issue 4 targets")
+    tt = Table(title="targets")
     for col in ("target", "value", "goal", "met"):
         tt.add_column(col)
     for t in results.get("targets", []):

@@ -23,7 +23,7 @@ def register(target: App) -> dict[str, Task]:
 
     @target.task(name="bench.sleep", queue="bench")
     async def sleep(seconds: float = 0.002, **_: Any) -> None:
-        """Waits ``seconds`` without holding a thread (the articles' 2 ms job)."""
+        """Waits ``seconds`` without holding a thread (the 2 ms job of W4, docs/performance.md)."""
         await asyncio.sleep(seconds)
 
     return {"noop": noop, "sleep": sleep}
