@@ -447,7 +447,7 @@ def test_job_claimed_again_by_the_same_worker_stops_its_stale_run(app: App, how:
             undo_claim(app.dsn, app.schema, job_id)
         wait_until(lambda: len(tokens) == 2 and stale_cancelled.is_set())
         assert tokens[0] != tokens[1]
-        assert worker._busy() == 1  # the second run is still tracked
+        assert worker._slots.busy() == 1  # the second run is still tracked
         wait_until(lambda: job_id in worker._leases.by_id)  # and its lease still renewed
         assert worker._leases.by_id[job_id].lease_version == tokens[1]
         release.set()
@@ -456,7 +456,7 @@ def test_job_claimed_again_by_the_same_worker_stops_its_stale_run(app: App, how:
         assert job is not None and job["lease_version"] == tokens[1]
         assert worker.stats.leases_lost == 1 and worker.stats.succeeded == 1
         assert worker.stats.stale_writes == 0  # the stale run wrote nothing
-        wait_until(lambda: worker._busy() == 0)  # the stale run's slot is free again
+        wait_until(lambda: worker._slots.busy() == 0)  # the stale run's slot is free again
     finally:
         release.set()
         worker.stop()

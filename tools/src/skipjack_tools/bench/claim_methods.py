@@ -1,4 +1,5 @@
-"""W6: the article's three ways (docs/performance.md) to take a job, and one queue per query versus ``= ANY``.
+"""W6: the article's three ways to take a job (docs/performance.md), and one queue per query
+versus ``= ANY``.
 
 Part 1 runs 8 worker threads (each with its own connection) over one plain table of 2,000
 jobs whose "work" is a 2 ms sleep, with each method:
