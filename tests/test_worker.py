@@ -135,6 +135,37 @@ def test_fc22_sigterm_releases_unfinished_jobs_at_once(tasks: App, tmp_path: Pat
     assert all(exec_counts(tasks.dsn, tasks.schema, "finish")[i] == 1 for i in short)
 
 
+def test_fc22_sigterm_during_claims_strands_no_job(tasks: App, tmp_path: Path) -> None:
+    """SIGTERM lands while claims are in flight (32 slots, a deep queue of 1 ms jobs, the
+    signal sent at a different point of each of 8 runs): after every exit no job is running,
+    none took a second attempt, none started twice; the worker's own summary counts the
+    jobs it released."""
+    enqueue(tasks, "sleep", 2000, seconds=0.001)
+
+    def succeeded() -> int:
+        return states(tasks.dsn, tasks.schema).get("succeeded", 0)
+
+    for run in range(8):
+        done_before = succeeded()
+        log = tmp_path / f"w{run}.log"
+        with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "32",
+                           *FAST, log=log) as w:
+            wait_until(lambda: succeeded() >= done_before + 40 * (run + 1), timeout=60,
+                       what="the worker running jobs")  # noqa: B023 - used at once
+            w.signal(signal.SIGTERM)
+            assert w.wait(60) == 0
+        now = states(tasks.dsn, tasks.schema)
+        assert now.get("running", 0) == 0, (run, now)
+        extra = query(tasks.dsn, "SELECT count(*) FROM {schema}.jobs WHERE attempt > 1 "
+                                 "OR (state <> 'succeeded' AND attempt > 0)",
+                      schema=tasks.schema)[0][0]
+        assert extra == 0, run
+        assert max(exec_counts(tasks.dsn, tasks.schema).values()) == 1
+        assert "stopped: WorkerStats(" in w.log()
+        if now.get("available", 0) < 1000:
+            enqueue(tasks, "sleep", 1000, seconds=0.001)
+
+
 @pytest.mark.parametrize("variant", ["same_name", "other_name"])
 def test_fc01_sigkilled_worker_jobs_are_rescued(tasks: App, tmp_path: Path,
                                                 variant: str) -> None:

@@ -48,6 +48,10 @@ from .slots import Slots
 
 log = logging.getLogger("skipjack.worker")
 
+# Seconds a stopping worker waits for its producer to finish the claim in flight (a claim
+# takes milliseconds; a connection attempt to an unreachable server up to its timeout).
+PRODUCER_STOP_TIMEOUT = 15.0
+
 
 @dataclass
 class Worker:
@@ -273,8 +277,7 @@ class Worker:
                     failure = t.exception() or RuntimeError(f"{t.get_name()} ended")
                     log.error("worker component %s failed; shutting down", t.get_name(),
                               exc_info=failure)
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
+            await self._stop_producer(producer)
             await self._drain()
         finally:
             stopping.cancel()
@@ -287,6 +290,20 @@ class Worker:
             log.info("worker %s stopped: %s", self.name, self.stats)
         if failure is not None:
             raise failure
+
+    async def _stop_producer(self, producer: asyncio.Task[None]) -> None:
+        """Let the producer end by itself, so that a claim in flight when the stop came
+        reaches the buffer (and is released by :meth:`_drain`) instead of committing on the
+        server unseen (its jobs would stay running until their leases expired, and run again
+        with an attempt counted). It is cancelled only if it does not end within
+        ``PRODUCER_STOP_TIMEOUT`` seconds (a connection attempt to an unreachable server)."""
+        self._request_stop()
+        done, _ = await asyncio.wait([producer], timeout=PRODUCER_STOP_TIMEOUT)
+        if not done:
+            log.warning("the producer did not stop within %.0fs; cancelling it (jobs of a claim "
+                        "in flight come back when their leases expire)", PRODUCER_STOP_TIMEOUT)
+            producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
 
     def _check_task_leases(self) -> None:
         for task in self.app.tasks.values():
