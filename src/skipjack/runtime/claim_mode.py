@@ -24,6 +24,7 @@ import psycopg
 from ..app import Task
 from ..context import Job, JobContext, set_current
 from ..db import Database
+from ..errors import ArgumentsError
 from ..outcome import DEFAULT_BACKOFF, Outcome, decide, outcome_params
 from .completer import Completer, WorkerStats
 from .executor import Executor
@@ -145,6 +146,9 @@ class ClaimModeRunners:
                     loaded = conn.execute(q.LOAD_ARGS, {"id": job.id,
                                                         "lease_version": job.lease_version})
                     args = (loaded.fetchone() or [{}])[0]
+                problem = task.arguments.mismatch(args) if task.arguments is not None else None
+                if problem is not None:
+                    raise ArgumentsError(problem)
                 with conn.transaction():  # a savepoint: a failed handler's writes roll back
                     result = task.fn(**args)
                 outcome = decide(job, task, result=result)

@@ -33,9 +33,9 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 from ..app import Task
 from ..context import CancelCause, Job, JobContext, set_current
 from ..db import Database
-from ..errors import Snooze
+from ..errors import ArgumentsError, Snooze
 from ..jobs import dump_result
-from ..outcome import Outcome, decide, outcome_params
+from ..outcome import UNKNOWN_TASK_GRACE, Outcome, decide, outcome_params
 from .completer import Completer, WorkerStats
 from .heartbeat import Leases
 from .slots import Running, Slots
@@ -59,12 +59,16 @@ class Executor:
             with the claim (they are loaded just before the handler runs).
         on_slot_freed: called when a slot frees, with the queue of the job that ended (None
             for a stuck handler thread that returned).
+        unknown_task_grace: seconds after its enqueue during which a job of a task this
+            worker does not know is released for another worker (see
+            :func:`skipjack.outcome.decide`).
     """
 
     def __init__(self, db: Database, tasks: Mapping[str, Task], slots: Slots, leases: Leases,
                  completer: Completer, stats: WorkerStats, stopping: asyncio.Event, *,
                  concurrency: int, large_args_concurrency: int,
-                 on_slot_freed: Callable[[str | None], None]) -> None:
+                 on_slot_freed: Callable[[str | None], None],
+                 unknown_task_grace: float = UNKNOWN_TASK_GRACE) -> None:
         self._db = db
         self._tasks = tasks
         self._slots = slots
@@ -74,6 +78,7 @@ class Executor:
         self._stopping = stopping
         self._concurrency = concurrency
         self._on_slot_freed = on_slot_freed
+        self._unknown_task_grace = unknown_task_grace
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="skipjack-job")
         self._large_args = asyncio.Semaphore(large_args_concurrency)
         self.pool: ConnectionPool[psycopg.Connection[Any]] | None = None
@@ -191,8 +196,9 @@ class Executor:
         outcome: Outcome | None
         try:
             if task is None:
-                raise LookupError(f"unknown task {job.task!r}: no handler of that name is "
-                                  "registered in this worker's app")
+                log.warning("job %s: unknown task %r (not registered in this worker's app); "
+                            "released for a worker that knows it", job.id, job.task)
+                raise LookupError(job.task)  # decide() says what becomes of the job
             if job.args is not None:
                 result = await self._call(running, task, job.args)
             else:
@@ -209,7 +215,8 @@ class Executor:
         except (asyncio.CancelledError, Exception, SystemExit, KeyboardInterrupt) as exc:
             # ours (lease lost, cancel requested, timeout, shutdown) or the handler's own; a
             # handler never ends the worker
-            outcome = decide(job, task, error=exc, cancelled=ctx.cancellation)
+            outcome = decide(job, task, error=exc, cancelled=ctx.cancellation,
+                             unknown_task_grace=self._unknown_task_grace)
         finally:
             if running.superseded:  # see buffer()
                 self._slots.stuck_threads -= 1
@@ -223,7 +230,14 @@ class Executor:
             self._completer.submit(outcome)
 
     async def _call(self, running: Running, task: Task, args: dict[str, Any]) -> Any:
-        """Run the handler within the task's timeout (see :meth:`_call_now`)."""
+        """Run the handler within the task's timeout (see :meth:`_call_now`).
+
+        Raises:
+            ArgumentsError: the args do not fit the handler's signature (it is not called).
+        """
+        problem = task.arguments.mismatch(args) if task.arguments is not None else None
+        if problem is not None:
+            raise ArgumentsError(problem)
         if task.timeout is None:
             return await self._call_now(running, task, args)
         try:
