@@ -209,6 +209,50 @@ def test_an_outcome_the_database_refuses_is_recorded_without_the_rest_waiting(
     assert (stats.succeeded, stats.retried, stats.stale_writes) == (2, 1, 0)
 
 
+@pytest.mark.parametrize(("task", "how", "seconds"), [
+    ("claim_misbehaves", "COMMIT", 3.0),  # longer than its 2 s lease: must not be rescued
+    ("claim_misbehaves", "ROLLBACK", 0.0),
+    ("claim_misbehaves", "abort", 0.0),
+    ("complete_misbehaves", "COMMIT", 0.0),
+    ("complete_misbehaves", "ROLLBACK", 0.0),
+    ("complete_misbehaves", "abort", 0.0),
+])
+def test_a_handler_that_ends_its_jobs_transaction_fails_its_attempt(
+        tasks: App, tmp_path: Path, task: str, how: str, seconds: float) -> None:
+    """A transaction="claim" or "complete" handler that sends COMMIT or ROLLBACK on the
+    connection it was given, or goes on after a failed statement: its attempt fails with an
+    error that says so, the job runs once at a time, and its next attempt succeeds."""
+    tasks.task(name=task, max_attempts=2)(lambda **kw: None)
+    (job_id,) = enqueue(tasks, task, how=how, seconds=seconds)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=60,
+                   what="the job done on its second attempt")
+    job = tasks.get_job(job_id) or {}
+    assert job["attempt"] == 2 and len(job["errors"]) == 1, job["errors"]
+    error = job["errors"][0]["error"]
+    assert error.startswith("HandlerTransactionError: "), error
+    assert ("went on" in error) if how == "abort" else ("ended the job's transaction" in error)
+    events = query(tasks.dsn, "SELECT event FROM {schema}.exec_log ORDER BY at",
+                   schema=tasks.schema)
+    assert [e for (e,) in events] == ["start", "finish", "start", "finish"]  # never two at once
+
+
+def test_a_short_idle_timeout_of_the_role_does_not_end_complete_handlers(
+        tasks: App, tmp_path: Path) -> None:
+    """The database's idle_in_transaction_session_timeout (here 300 ms, set for the worker's
+    sessions) is shorter than the handler's run: its transaction still commits."""
+    tasks.task(name="complete_misbehaves", max_attempts=2)(lambda **kw: None)
+    (job_id,) = enqueue(tasks, "complete_misbehaves", how="none", seconds=1.0)
+    query(tasks.dsn, "UPDATE {schema}.jobs SET attempt = 1, max_attempts = 3 WHERE id = %s",
+          [job_id], schema=tasks.schema)  # past the first attempt: it only sleeps
+    dsn = tasks.dsn + ("&" if "?" in tasks.dsn else "?") + \
+        "options=-c%20idle_in_transaction_session_timeout%3D300"
+    with WorkerProcess(dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=60,
+                   what="the job done")
+    assert (tasks.get_job(job_id) or {})["errors"] == []
+
+
 def test_fc22_sigterm_during_claims_strands_no_job(tasks: App, tmp_path: Path) -> None:
     """SIGTERM lands while claims are in flight (32 slots, a deep queue of 1 ms jobs, the
     signal sent at a different point of each of 8 runs): after every exit no job is running,

@@ -28,12 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ..app import Task
 from ..context import CancelCause, Job, JobContext, set_current
 from ..db import Database
-from ..errors import ArgumentsError, Snooze
+from ..errors import ArgumentsError, HandlerTransactionError, Snooze
 from ..jobs import dump_result
 from ..outcome import UNKNOWN_TASK_GRACE, Outcome, decide, outcome_params
 from .completer import Completer, WorkerStats
@@ -90,12 +91,14 @@ class Executor:
         own = [t for t in self._tasks.values() if t.transaction != "none"]
         if any(not inspect.iscoroutinefunction(t.fn) for t in own):
             self.pool = ConnectionPool(self._db.dsn, min_size=0, max_size=self._concurrency,
-                                       kwargs=self._db.connect_kwargs, open=False)
+                                       kwargs=self._db.connect_kwargs, open=False,
+                                       configure=_no_idle_timeout)
             await asyncio.to_thread(self.pool.open)
         if any(inspect.iscoroutinefunction(t.fn) for t in own):
             self._apool = AsyncConnectionPool(self._db.dsn, min_size=0,
                                               max_size=self._concurrency,
-                                              kwargs=self._db.connect_kwargs, open=False)
+                                              kwargs=self._db.connect_kwargs, open=False,
+                                              configure=_no_idle_timeout_async)
             await self._apool.open()
 
     async def close(self) -> None:
@@ -308,6 +311,44 @@ class Executor:
         return args
 
 
+# A handler's transaction is idle while the handler computes or calls other services: the
+# handlers' connections lift any idle_in_transaction_session_timeout of the role or database,
+# which would otherwise end every attempt that runs longer (a transaction="claim" one sets
+# its own, its lease, per transaction).
+NO_IDLE_TIMEOUT = "SET idle_in_transaction_session_timeout = 0"
+
+
+def _no_idle_timeout(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(NO_IDLE_TIMEOUT)
+
+
+async def _no_idle_timeout_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute(NO_IDLE_TIMEOUT)
+
+
+ENDED = ("the handler ended the job's transaction itself (a COMMIT or ROLLBACK on "
+         "current_job().conn); skipjack alone may commit or roll it back")
+ABORTED = ("a statement of the handler failed and it went on, so the job's transaction was "
+           "aborted and none of its writes are kept; let the error propagate, or run the "
+           "statement in a savepoint (with conn.transaction(): ...)")
+
+
+def check_handler_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+                              ) -> None:
+    """After a handler returned: raise if it ended or aborted the transaction it was given.
+
+    Raises:
+        HandlerTransactionError: ``conn`` is no longer in a transaction (the handler sent
+            COMMIT or ROLLBACK), or its transaction is aborted (a failed statement the
+            handler went on from).
+    """
+    status = conn.info.transaction_status
+    if status == TransactionStatus.IDLE:
+        raise HandlerTransactionError(ENDED)
+    if status == TransactionStatus.INERROR:
+        raise HandlerTransactionError(ABORTED)
+
+
 def _completion(ctx: JobContext, result: Any) -> dict[str, str]:
     job = ctx.job
     return outcome_params([Outcome(job.id, job.lease_version, job.queue, "complete",
@@ -327,6 +368,7 @@ def run_complete(conn: psycopg.Connection[Any], record: bytes, ctx: JobContext,
         True if the completion committed; False if it was stale (all rolled back).
 
     Raises:
+        HandlerTransactionError: the handler ended or aborted the transaction.
         Exception: whatever the handler raised (its writes rolled back), or a database error.
     """
     applied = False
@@ -336,6 +378,7 @@ def run_complete(conn: psycopg.Connection[Any], record: bytes, ctx: JobContext,
             result = fn(**args)
         finally:
             ctx.conn = None
+        check_handler_transaction(conn)
         finishing()
         applied = bool(conn.execute(record, _completion(ctx, result)).fetchall())
         if not applied:
@@ -354,6 +397,7 @@ async def run_complete_async(conn: psycopg.AsyncConnection[Any], record: bytes,
             result = await fn(**args)
         finally:
             ctx.conn = None
+        check_handler_transaction(conn)
         finishing()
         cur = await conn.execute(record, _completion(ctx, result))
         applied = bool(await cur.fetchall())

@@ -188,7 +188,8 @@ class Worker:
                                   on_slot_freed=lambda q: self._producer.slot_freed(q),
                                   unknown_task_grace=self.unknown_task_grace)
         self._claim_mode = ClaimModeRunners(db, self.app.tasks, self.queues, self._slots,
-                                            self._executor, self._completer, self.stats,
+                                            self._leases, self._executor, self._completer,
+                                            self.stats,
                                             self._stopping, self._claim_params,
                                             lease=self.lease,
                                             on_slot_freed=lambda: self._producer.slot_freed())
