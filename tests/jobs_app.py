@@ -243,3 +243,35 @@ def pooled(seconds: float) -> None:
     with _pool.connection() as conn, conn.transaction():
         conn.execute("SELECT pg_sleep(%s)", [seconds])
     log_event("finish")
+
+
+def _misbehave(conn: Any, how: str) -> None:
+    """End or abort the job's own transaction, as a handler must not."""
+    if how in ("COMMIT", "ROLLBACK"):
+        conn.execute(how)
+        return
+    try:
+        conn.execute("SELECT 1 / 0")
+    except psycopg.Error:
+        pass  # and go on, with the transaction aborted
+
+
+@app.task(name="claim_misbehaves", transaction="claim", lease=2.0, max_attempts=2)
+def claim_misbehaves(how: str, seconds: float = 0.0) -> None:
+    """On its first start, ends or aborts its claim's transaction, then takes ``seconds``."""
+    log_event("start")
+    if _starts() == 1:
+        _misbehave(current_job().conn, how)
+        time.sleep(seconds)
+    log_event("finish")
+
+
+@app.task(name="complete_misbehaves", transaction="complete", max_attempts=2)
+def complete_misbehaves(how: str, seconds: float = 0.0) -> None:
+    """On its first attempt, ends or aborts its completion's transaction; sleeps ``seconds``
+    in it on every attempt."""
+    log_event("start")
+    if current_job().job.attempt == 1:
+        _misbehave(current_job().conn, how)
+    time.sleep(seconds)
+    log_event("finish")

@@ -216,6 +216,41 @@ def test_backoff_rejects_bad_settings() -> None:
         Backoff(base=10, cap=5)
 
 
+def test_durations_have_bounds_checked_when_declared(app: App) -> None:
+    """One absurd value must not reach the outcome path: a retry delay, a worker interval or
+    a rate period past its bound is refused, naming it, before anything runs."""
+    with pytest.raises(ValidationError, match="backoff.cap: 1e.18 seconds is over the limit"):
+        Backoff(1e18, 1e18)
+    with pytest.raises(ValidationError, match="backoff.base: must be seconds"):
+        Backoff("1", 5)  # type: ignore[arg-type]
+    for name in ("poll_interval", "rescue_interval", "stage_interval", "shutdown_grace",
+                 "retention", "unknown_task_grace"):
+        with pytest.raises(ConfigError, match=f"^{name}: 1e.18 is out of range"):
+            Worker(app, ["q"], **{name: 1e18})
+    with pytest.raises(ConfigError, match="shutdown_grace"):
+        Worker(app, ["q"], shutdown_grace=-1)
+    with pytest.raises(ValidationError, match="period: 1e.18 must be seconds"):
+        app.set_queue_limits("q", rate=1, period=1e18)
+    with pytest.raises(ValidationError, match="concurrency: 0 must be an int"):
+        app.set_queue_limits("q", concurrency=0)
+    assert app.queues() == []  # nothing was written
+
+
+def test_args_must_fit_the_handlers_signature(app: App) -> None:
+    @app.task(name="send")
+    def send(to: str, subject: str = "", *, cc: str = "") -> None: ...
+
+    with pytest.raises(ValidationError, match=r"args: task 'send': unexpected argument 'too'; "
+                       r"missing argument 'to' \(the handler takes cc, subject, to\)"):
+        send.job(too="a@example.com")
+    with pytest.raises(ValidationError, match="missing argument 'to'"):
+        app.enqueue_many([send.job(to="x"), send.job(subject="no recipient")])
+    with pytest.raises(ValidationError, match="unexpected argument 'x'"):
+        app.cron("* * * * *", name="bad", args={"x": 1})(send)
+    assert send.job(to="a", cc="b").task == "send"
+    assert app.stats()["queues"] == {}  # nothing was written
+
+
 def test_fc04c_heartbeat_too_slow_for_lease_is_rejected(app: App) -> None:
     with pytest.raises(ConfigError, match="heartbeat: 1.0s cannot keep a 1.0s lease alive"):
         Worker(app, ["q"], lease=1.0, heartbeat=1.0)

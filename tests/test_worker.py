@@ -20,8 +20,13 @@ import pytest
 from psycopg import sql
 
 from skipjack import App, current_job
+from skipjack.context import Job
+from skipjack.outcome import Outcome, error_json
+from skipjack.runtime.completer import Completer, WorkerStats
+from skipjack.runtime.heartbeat import Leases
 from skipjack.runtime.maintenance import rescue
 from skipjack.runtime.worker import Worker
+from skipjack.sql.claim import claim_params
 
 from support import (
     TESTS,
@@ -84,7 +89,8 @@ def test_failing_job_retries_then_dead_letter_and_worker_goes_on(tasks: App,
     query(tasks.dsn, "UPDATE {schema}.jobs SET task = 'no.such.task' WHERE id = %s", [unknown],
           schema=tasks.schema)
     good = enqueue(tasks, "sleep", 10)
-    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--unknown-task-grace",
+                       "1s", log=tmp_path / "w.log"):
         wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 10, "discarded": 2},
                    timeout=60, what="all jobs finished")
     job = tasks.get_job(bad)
@@ -133,6 +139,149 @@ def test_fc22_sigterm_releases_unfinished_jobs_at_once(tasks: App, tmp_path: Pat
         wait_until(lambda: set(exec_counts(tasks.dsn, tasks.schema, "finish")) >= set(short),
                    timeout=30, what="short jobs done by the new worker")
     assert all(exec_counts(tasks.dsn, tasks.schema, "finish")[i] == 1 for i in short)
+
+
+def test_unknown_task_waits_for_a_worker_that_knows_it_without_using_attempts(
+        tasks: App, tmp_path: Path) -> None:
+    """A job of a task this worker does not know (a rolling deploy: an old worker sees a new
+    task) is released, its attempt not counted, while it is younger than the grace; the
+    worker says which task it does not know."""
+    (job_id,) = enqueue(tasks, "sleep")
+    query(tasks.dsn, "UPDATE {schema}.jobs SET task = 'newer.task', max_attempts = 1 "
+                     "WHERE id = %s", [job_id], schema=tasks.schema)
+    w = WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--unknown-task-grace",
+                      "1h", log=tmp_path / "w.log")
+    with w:
+        job = wait_until(lambda: (j := tasks.get_job(job_id)) and j["errors"] and j,
+                         timeout=30, what="the job released once")
+    assert job["state"] in ("scheduled", "available") and job["attempt"] == 0
+    assert "unknown task 'newer.task'" in job["errors"][-1]["error"]
+    assert "unknown task 'newer.task'" in w.log()
+
+
+def test_args_that_do_not_fit_the_handler_go_to_the_dead_letter_at_once(
+        tasks: App, tmp_path: Path) -> None:
+    """An enqueuer that does not know the handler's signature sent a misspelt argument: the
+    worker does not call the handler and discards the job on its first attempt."""
+    (misspelt,) = enqueue(tasks, "sleep", secnds=1)  # sleep(seconds=0.0) in jobs_app
+    (fine,) = enqueue(tasks, "sleep", seconds=0)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1, "discarded": 1},
+                   timeout=30, what="both jobs finished")
+    job = tasks.get_job(misspelt) or {}
+    assert job["state"] == "discarded" and job["attempt"] == 1
+    assert job["errors"][-1]["error"].startswith("ArgumentsError: unexpected argument 'secnds'")
+    assert set(exec_counts(tasks.dsn, tasks.schema)) == {fine}  # never called with them
+
+
+def test_an_outcome_the_database_refuses_is_recorded_without_the_rest_waiting(
+        app: App) -> None:
+    """One outcome of a batch that the database refuses (a retry delay past its timestamps'
+    range) is written again in a form it takes, with the handler's real error; the other
+    outcomes of the batch are written as they are."""
+    t = app.task(name="t", queue="q")(lambda: None)
+    ids = [t.enqueue() for _ in range(3)]
+    with app.connect() as conn:
+        rows = conn.execute(app.queries.CLAIM, claim_params(
+            "q", 3, lease=30.0, worker="w", inline_bytes=1 << 20)).fetchall()
+    jobs = {row[0]: Job(*row) for row in rows}
+    bad = jobs[ids[1]]
+    outcomes = [Outcome(jobs[ids[0]].id, jobs[ids[0]].lease_version, "q", "complete"),
+                Outcome(bad.id, bad.lease_version, "q", "retry", delay=1e18,
+                        error=error_json(bad, RuntimeError("the real error"))),
+                Outcome(jobs[ids[2]].id, jobs[ids[2]].lease_version, "q", "complete")]
+    stats = WorkerStats()
+
+    async def record() -> None:
+        completer = Completer(app.db, Leases(), stats)
+        runner = asyncio.create_task(completer.run())
+        for o in outcomes:
+            completer.submit(o)
+        await asyncio.wait_for(completer.flush(), timeout=60)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(record())
+    assert states(app.dsn, app.schema) == {"succeeded": 2, "scheduled": 1}
+    job = app.get_job(bad.id) or {}
+    assert job["errors"][-1]["error"].startswith("RuntimeError: the real error (the outcome")
+    assert "refused by the database" in job["errors"][-1]["error"]
+    assert (stats.succeeded, stats.retried, stats.stale_writes) == (2, 1, 0)
+
+
+@pytest.mark.parametrize(("task", "how", "seconds"), [
+    ("claim_misbehaves", "COMMIT", 3.0),  # longer than its 2 s lease: must not be rescued
+    ("claim_misbehaves", "ROLLBACK", 0.0),
+    ("claim_misbehaves", "abort", 0.0),
+    ("complete_misbehaves", "COMMIT", 0.0),
+    ("complete_misbehaves", "ROLLBACK", 0.0),
+    ("complete_misbehaves", "abort", 0.0),
+])
+def test_a_handler_that_ends_its_jobs_transaction_fails_its_attempt(
+        tasks: App, tmp_path: Path, task: str, how: str, seconds: float) -> None:
+    """A transaction="claim" or "complete" handler that sends COMMIT or ROLLBACK on the
+    connection it was given, or goes on after a failed statement: its attempt fails with an
+    error that says so, the job runs once at a time, and its next attempt succeeds."""
+    tasks.task(name=task, max_attempts=2)(lambda **kw: None)
+    (job_id,) = enqueue(tasks, task, how=how, seconds=seconds)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=60,
+                   what="the job done on its second attempt")
+    job = tasks.get_job(job_id) or {}
+    assert job["attempt"] == 2 and len(job["errors"]) == 1, job["errors"]
+    error = job["errors"][0]["error"]
+    assert error.startswith("HandlerTransactionError: "), error
+    assert ("went on" in error) if how == "abort" else ("ended the job's transaction" in error)
+    events = query(tasks.dsn, "SELECT event FROM {schema}.exec_log ORDER BY at",
+                   schema=tasks.schema)
+    assert [e for (e,) in events] == ["start", "finish", "start", "finish"]  # never two at once
+
+
+def test_a_short_idle_timeout_of_the_role_does_not_end_complete_handlers(
+        tasks: App, tmp_path: Path) -> None:
+    """The database's idle_in_transaction_session_timeout (here 300 ms, set for the worker's
+    sessions) is shorter than the handler's run: its transaction still commits."""
+    tasks.task(name="complete_misbehaves", max_attempts=2)(lambda **kw: None)
+    (job_id,) = enqueue(tasks, "complete_misbehaves", how="none", seconds=1.0)
+    query(tasks.dsn, "UPDATE {schema}.jobs SET attempt = 1, max_attempts = 3 WHERE id = %s",
+          [job_id], schema=tasks.schema)  # past the first attempt: it only sleeps
+    dsn = tasks.dsn + ("&" if "?" in tasks.dsn else "?") + \
+        "options=-c%20idle_in_transaction_session_timeout%3D300"
+    with WorkerProcess(dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=60,
+                   what="the job done")
+    assert (tasks.get_job(job_id) or {})["errors"] == []
+
+
+def test_fc22_sigterm_during_claims_strands_no_job(tasks: App, tmp_path: Path) -> None:
+    """SIGTERM lands while claims are in flight (32 slots, a deep queue of 1 ms jobs, the
+    signal sent at a different point of each of 8 runs): after every exit no job is running,
+    none took a second attempt, none started twice; the worker's own summary counts the
+    jobs it released."""
+    enqueue(tasks, "sleep", 2000, seconds=0.001)
+
+    def succeeded() -> int:
+        return states(tasks.dsn, tasks.schema).get("succeeded", 0)
+
+    for run in range(8):
+        target = succeeded() + 40 * (run + 1)  # a later point of the drain each run
+        log = tmp_path / f"w{run}.log"
+        with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "32",
+                           *FAST, log=log) as w:
+            wait_until(lambda t=target: succeeded() >= t, timeout=60,  # type: ignore[misc]
+                       what="the worker running jobs")
+            w.signal(signal.SIGTERM)
+            assert w.wait(60) == 0
+        now = states(tasks.dsn, tasks.schema)
+        assert now.get("running", 0) == 0, (run, now)
+        extra = query(tasks.dsn, "SELECT count(*) FROM {schema}.jobs WHERE attempt > 1 "
+                                 "OR (state <> 'succeeded' AND attempt > 0)",
+                      schema=tasks.schema)[0][0]
+        assert extra == 0, run
+        assert max(exec_counts(tasks.dsn, tasks.schema).values()) == 1
+        assert "stopped: WorkerStats(" in w.log()
+        if now.get("available", 0) < 1000:
+            enqueue(tasks, "sleep", 1000, seconds=0.001)
 
 
 @pytest.mark.parametrize("variant", ["same_name", "other_name"])

@@ -18,6 +18,10 @@ from .errors import ValidationError
 from .jobs import QUEUE_MAX_BYTES, check_name
 from .sql import Queries
 
+# The largest concurrency or rate limit, and the longest rate period (seconds).
+LIMIT_MAX = 1_000_000
+PERIOD_MAX = 31_557_600.0
+
 # Rows per statement of every batched operation (cancel, prune, stage, rescue), so none holds
 # many row locks at once.
 BATCH = 1000
@@ -197,23 +201,30 @@ class Admin:
         """Limit ``queue`` across every worker and host (None removes a limit).
 
         Args:
-            concurrency: the most jobs running at once with a live lease (>= 1).
-            rate: the most starts per ``period`` seconds (>= 1, with ``period`` > 0). A window
-                opens at the first claim after the previous one closed.
+            concurrency: the most jobs running at once with a live lease (1..1,000,000).
+            rate: the most starts per ``period`` seconds (1..1,000,000, with ``period`` in
+                (0, one year]). A window opens at the first claim after the previous one
+                closed.
 
         Workers pick a new limit up within one poll interval. Limits are enforced for
         lease-mode tasks; a ``transaction="claim"`` task's running jobs are invisible to
         other sessions and do not count.
 
         Raises:
-            ValidationError: a limit below 1, or a rate without a period.
+            ValidationError: a limit out of its range, or a rate without a period.
         """
         check_name("queue", queue, QUEUE_MAX_BYTES)
-        if concurrency is not None and concurrency < 1:
-            raise ValidationError("concurrency", f"{concurrency} must be >= 1")
-        if (rate is None) != (period is None) or (rate is not None and rate < 1) or (
-                period is not None and not period > 0):
+        for name, value in (("concurrency", concurrency), ("rate", rate)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= LIMIT_MAX):
+                raise ValidationError(name, f"{value!r} must be an int in 1..{LIMIT_MAX:,}")
+        if (rate is None) != (period is None):
             raise ValidationError("rate", "give rate >= 1 and period > 0 seconds together")
+        if period is not None and (isinstance(period, bool)
+                                   or not isinstance(period, int | float)
+                                   or not 0 < period <= PERIOD_MAX):
+            raise ValidationError("period", f"{period!r} must be seconds in (0, "
+                                  f"{PERIOD_MAX:,.0f}] (a year)")
         with self.connect() as conn:
             conn.execute(self.queries.SET_LIMITS, {"queue": queue, "concurrency": concurrency,
                                                    "rate": rate, "period": period})

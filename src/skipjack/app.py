@@ -25,6 +25,7 @@ from .jobs import (
     DEFAULT_MAX_ARGS_BYTES,
     QUEUE_MAX_BYTES,
     TASK_MAX_BYTES,
+    HandlerArguments,
     JobSpec,
     TransactionMode,
     check_delay,
@@ -71,6 +72,7 @@ class Task:
     transaction: TransactionMode = "none"
     timeout: float | None = None
     unique_states: int = 63
+    arguments: HandlerArguments | None = field(default=None, repr=False, compare=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -137,8 +139,13 @@ class Task:
         """A validated job for this task with ``kwargs`` as its arguments (not yet enqueued).
 
         Raises:
-            ValidationError: the arguments break a rule of :mod:`skipjack.jobs`.
+            ValidationError: the arguments break a rule of :mod:`skipjack.jobs`, or do not
+                fit the handler's signature (an unexpected or missing argument).
         """
+        if self.arguments is not None:
+            problem = self.arguments.mismatch(kwargs)
+            if problem is not None:
+                raise ValidationError("args", f"task {self.name!r}: {problem}")
         # positional, in JobSpec's field order: a third cheaper than keywords per job
         return JobSpec(self.queue, self.name, serialize_args(kwargs, self.app.max_args_bytes),
                        self.priority, self.max_attempts, self.run_at, self.delay,
@@ -298,6 +305,7 @@ class App(Admin):
                 lease=check_lease(lease),
                 transaction=check_transaction(transaction),
                 timeout=check_timeout(timeout),
+                arguments=HandlerArguments.of(f),
             )
             existing = self.tasks.get(task_name)
             if existing is not None and existing.fn is not f:

@@ -158,6 +158,10 @@ def migrate(ctx: click.Context) -> None:
 @click.option("--fairness-every", default=10, show_default=True, type=click.IntRange(0),
               help="Every n-th claim that takes jobs from a queue takes the oldest ones "
                    "whatever their priority (0: strict priority).")
+@click.option("--unknown-task-grace", default="10m", show_default=True,
+              help="A job of a task this worker does not know is released for other workers "
+                   "(its attempt not counted) until it has waited this long since its "
+                   "enqueue, then discarded.")
 @click.option("--name", default="", help="Worker name shown on claimed jobs.")
 @click.option("--migrate/--no-migrate", default=False, help="Migrate the schema first.")
 @click.pass_context
@@ -165,7 +169,8 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
            batch_size: int | None, lease: float, heartbeat: float | None,
            poll_interval: float, rescue_interval: float | None, grace: float,
            stage_interval: float, retention: str | None, discarded_retention: str | None,
-           prefetch: int | None, fairness_every: int, name: str, migrate: bool) -> None:
+           prefetch: int | None, fairness_every: int, unknown_task_grace: str, name: str,
+           migrate: bool) -> None:
     """Run a worker for the tasks of MODULE:APP."""
     from .runtime.worker import Worker
 
@@ -176,7 +181,8 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
                retention=parse_duration(retention) if retention else None,
                discarded_retention=(parse_duration(discarded_retention)
                                     if discarded_retention else None),
-               prefetch=prefetch, fairness_every=fairness_every, name=name)
+               prefetch=prefetch, fairness_every=fairness_every,
+               unknown_task_grace=parse_duration(unknown_task_grace), name=name)
     if migrate:
         app.migrate()
     w.run()

@@ -35,6 +35,20 @@ class Discard(SkipjackError):
     """Raise from a handler to send the job to the dead letter now, without more attempts."""
 
 
+class ArgumentsError(Discard):
+    """A job's args do not fit its handler's signature (an unexpected or a missing argument).
+
+    The worker raises it before the handler runs; like :class:`Discard`, it sends the job to
+    the dead letter at once, since no retry could succeed."""
+
+
+class HandlerTransactionError(SkipjackError):
+    """A ``transaction="complete"`` or ``"claim"`` handler ended the transaction it was given
+    (a COMMIT or ROLLBACK on ``current_job().conn``), or went on after one of its statements
+    failed (the transaction is then aborted). The attempt fails with this error; skipjack
+    alone commits or rolls back that transaction."""
+
+
 class Snooze(SkipjackError):
     """Raise from a handler to run the job again after ``seconds`` without using an attempt.
 

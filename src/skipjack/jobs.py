@@ -27,10 +27,11 @@ what it was sent.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
@@ -70,6 +71,46 @@ class JobSpec:
     idempotency_key: str | None = None
     lease: float | None = None
     unique_states: int = 63
+
+
+@dataclass(frozen=True)
+class HandlerArguments:
+    """The keyword arguments a handler takes, to check a job's args against before anything
+    is written (at enqueue) and before the handler runs (in the worker).
+
+    ``names``: the parameters args may fill; ``required``: those without a default (a
+    positional-only one can never be filled: it is required and not in ``names``);
+    ``any_keyword``: the handler takes ``**kwargs``.
+    """
+
+    names: frozenset[str]
+    required: frozenset[str]
+    any_keyword: bool
+
+    @classmethod
+    def of(cls, fn: Callable[..., object]) -> HandlerArguments | None:
+        """What ``fn`` takes, or None when its signature cannot be read (a builtin)."""
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        required = {p.name for p in params if p.default is p.empty
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        any_keyword = any(p.kind == p.VAR_KEYWORD for p in params)
+        return cls(frozenset(names), frozenset(required), any_keyword)
+
+    def mismatch(self, args: Mapping[str, object]) -> str | None:
+        """Why ``args`` cannot be passed as keyword arguments, or None when they can."""
+        keys = args.keys()
+        if (self.any_keyword or keys <= self.names) and self.required <= keys:
+            return None  # the common case, without building a set
+        unexpected = sorted(keys - self.names) if not self.any_keyword else []
+        missing = sorted(self.required - keys)
+        problems = [f"unexpected argument {n!r}" for n in unexpected]
+        problems += [f"missing argument {n!r}" for n in missing]
+        takes = ", ".join(sorted(self.names)) or "no arguments"
+        return f"{'; '.join(problems)} (the handler takes {takes})"
 
 
 STATES = ("scheduled", "available", "running", "succeeded", "discarded", "cancelled")

@@ -24,9 +24,16 @@ from .retry import Backoff
 # the delay, the attempt not counted.
 OutcomeKind = Literal["complete", "retry", "discard", "release", "cancel"]
 
-# The retry policy of a job whose task this worker does not know, and the delay of a release
-# after the job's own database connection was lost.
+# The delay of a release after the job's own database connection was lost.
 DEFAULT_BACKOFF = Backoff()
+
+# A job of a task this worker does not know waits for a worker that knows it (during a
+# rolling deploy an old worker can claim a new task's job): it is released, without using an
+# attempt, for this many seconds after it was enqueued (Worker(unknown_task_grace=)), and
+# runnable again UNKNOWN_TASK_DELAY seconds (at most half the grace) after each release;
+# then it is discarded.
+UNKNOWN_TASK_GRACE = 600.0
+UNKNOWN_TASK_DELAY = 10.0
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,8 @@ def error_json(job: Job, exc: BaseException) -> str:
 
 def decide(job: Job, task: Task | None, *, result: object = None,
            error: BaseException | None = None,
-           cancelled: tuple[CancelCause, str] | None = None) -> Outcome | None:
+           cancelled: tuple[CancelCause, str] | None = None,
+           unknown_task_grace: float = UNKNOWN_TASK_GRACE) -> Outcome | None:
     """The outcome of one attempt.
 
     Args:
@@ -83,13 +91,19 @@ def decide(job: Job, task: Task | None, *, result: object = None,
         error: what the handler raised, if it raised.
         cancelled: (cause, reason) when the worker took the job from its handler; it
             decides before ``result`` or ``error``.
+        unknown_task_grace: seconds after its enqueue during which a job of an unknown task
+            (``task`` None) is released rather than discarded.
 
     Returns:
         None when nothing may be written (the lease was lost: the job belongs to another
         claim now). Else, in this order: a requested cancellation -> ``cancel``; a shutdown
-        -> ``release`` (the attempt not counted); a timeout -> a failure with
-        ``TimeoutError``; no error -> ``complete``; :class:`~skipjack.Snooze` -> ``release``
-        after its delay; :class:`~skipjack.Discard` -> ``discard``; a lost database
+        -> ``release`` (the attempt not counted); an unknown task -> ``release`` after
+        :data:`UNKNOWN_TASK_DELAY` or half the grace (the attempt not counted) until the job
+        has waited ``unknown_task_grace`` seconds since its enqueue (database clock), then
+        ``discard``;
+        a timeout -> a failure with ``TimeoutError``; no error -> ``complete``;
+        :class:`~skipjack.Snooze` -> ``release`` after its delay; :class:`~skipjack.Discard`
+        (and :class:`~skipjack.errors.ArgumentsError`) -> ``discard``; a lost database
         connection under a task's own transaction (``transaction`` "complete" or "claim")
         -> ``release`` after :data:`DEFAULT_BACKOFF`'s first delay (not the job's fault);
         anything else -> ``retry`` after the task's backoff for this attempt.
@@ -103,6 +117,15 @@ def decide(job: Job, task: Task | None, *, result: object = None,
         if cause != "timed out":  # shutting down
             return Outcome(job.id, job.lease_version, job.queue, "release")
         error = TimeoutError(reason)
+    if task is None:
+        unknown = error_json(job, LookupError(
+            f"unknown task {job.task!r}: no handler of that name is registered in the app of "
+            f"the worker that claimed it; the job waits {unknown_task_grace:.0f}s after its "
+            "enqueue for a worker that knows it, then goes to the dead letter"))
+        if (job.attempted_at - job.created_at).total_seconds() < unknown_task_grace:
+            return Outcome(job.id, job.lease_version, job.queue, "release",
+                           delay=min(UNKNOWN_TASK_DELAY, unknown_task_grace / 2), error=unknown)
+        return Outcome(job.id, job.lease_version, job.queue, "discard", error=unknown)
     if error is None:
         return Outcome(job.id, job.lease_version, job.queue, "complete",
                        result=dump_result(result))

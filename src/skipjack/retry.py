@@ -21,19 +21,23 @@ from dataclasses import dataclass
 
 from .errors import ValidationError
 
+# The longest retry delay, in seconds: a year, as for Snooze.
+MAX_RETRY_DELAY = 31_557_600.0
+
 
 @dataclass(frozen=True)
 class Backoff:
     """Retry delay policy.
 
     Args:
-        base: seconds; the delay ceiling after attempt 1 is ``2 * base``. > 0.
-        cap: seconds; no delay exceeds it. >= base.
+        base: seconds; the delay ceiling after attempt 1 is ``2 * base``. 0 < base <= cap.
+        cap: seconds; no delay exceeds it. base <= cap <= 31,557,600 (one year, as for
+            :class:`~skipjack.Snooze`).
         jitter: when False, the delay is the ceiling itself (deterministic; use only for tests
             and benchmarks, it brings back retry storms).
 
     Raises:
-        ValidationError: base <= 0, cap < base, or either is not finite.
+        ValidationError: base <= 0, cap < base, cap over one year, or either not a number.
     """
 
     base: float = 1.0
@@ -41,12 +45,20 @@ class Backoff:
     jitter: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("base", "cap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValidationError(f"backoff.{name}", f"must be seconds (a number), got "
+                                      f"{type(value).__name__}")
         if not (math.isfinite(self.base) and self.base > 0):
             raise ValidationError("backoff.base", f"must be a finite number > 0, got {self.base!r}")
         if not (math.isfinite(self.cap) and self.cap >= self.base):
             raise ValidationError(
                 "backoff.cap", f"must be finite and >= base ({self.base}), got {self.cap!r}"
             )
+        if self.cap > MAX_RETRY_DELAY:
+            raise ValidationError("backoff.cap", f"{self.cap!r} seconds is over the limit of "
+                                  f"{MAX_RETRY_DELAY:,.0f} (one year)")
 
     def ceiling(self, attempt: int) -> float:
         """The largest delay in seconds after ``attempt`` (>= 1) failed."""

@@ -4,7 +4,7 @@ outcome that is recorded (no database)."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -12,7 +12,7 @@ import pytest
 from skipjack import App, Backoff, Discard, Snooze
 from skipjack.app import Task
 from skipjack.context import Job
-from skipjack.outcome import DEFAULT_BACKOFF, decide
+from skipjack.outcome import decide
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -43,10 +43,16 @@ def test_an_exception_retries_after_the_tasks_backoff_for_this_attempt() -> None
     assert "ValueError" in error["traceback"]
 
 
-def test_an_unknown_task_retries_with_the_default_backoff() -> None:
-    o = decide(job(attempt=1), None, error=LookupError("unknown task"))
-    assert o is not None and o.kind == "retry"
-    assert DEFAULT_BACKOFF.ceiling(1) / 2 <= o.delay <= DEFAULT_BACKOFF.ceiling(1)
+def test_an_unknown_task_is_released_until_its_grace_is_over_then_discarded() -> None:
+    young = job(attempt=1)
+    released = decide(young, None, error=LookupError("t"), unknown_task_grace=600)
+    assert released is not None and released.kind == "release" and released.delay == 10.0
+    assert "unknown task 't'" in json.loads(released.error or "")["error"]
+    old = Job(7, "q", "t", {}, 0, 1, 25, 1234, NOW, NOW, NOW + timedelta(seconds=601), None, 30)
+    discarded = decide(old, None, error=LookupError("t"), unknown_task_grace=600)
+    assert discarded is not None and discarded.kind == "discard"
+    short = decide(young, None, error=LookupError("t"), unknown_task_grace=4)
+    assert short is not None and short.delay == 2.0  # at most half the grace
 
 
 def test_snooze_releases_after_its_delay_and_discard_goes_to_the_dead_letter() -> None:

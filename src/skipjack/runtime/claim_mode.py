@@ -20,13 +20,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
 from ..app import Task
 from ..context import Job, JobContext, set_current
 from ..db import Database
+from ..errors import ArgumentsError, HandlerTransactionError
 from ..outcome import DEFAULT_BACKOFF, Outcome, decide, outcome_params
 from .completer import Completer, WorkerStats
-from .executor import Executor
+from .executor import ENDED, Executor, check_handler_transaction
+from .heartbeat import Leases
 from .slots import Slots
 
 log = logging.getLogger("skipjack.worker")
@@ -43,6 +46,8 @@ class ClaimModeRunners:
         tasks: the app's task registry.
         queues: the queues this worker serves.
         slots: the shared capacity state (each runner holds a slot).
+        leases: the running set the heartbeat renews (a claim-mode job joins it, renewed
+            only once its handler ended the claim's transaction itself).
         executor: runs the handlers in its thread pool, on its sync connection pool.
         completer: counts the outcomes (written by the runners themselves).
         stats: counters to update.
@@ -53,12 +58,14 @@ class ClaimModeRunners:
     """
 
     def __init__(self, db: Database, tasks: Mapping[str, Task], queues: Sequence[str],
-                 slots: Slots, executor: Executor, completer: Completer, stats: WorkerStats,
+                 slots: Slots, leases: Leases, executor: Executor, completer: Completer,
+                 stats: WorkerStats,
                  stopping: asyncio.Event, claim_params: ClaimParams, *, lease: float,
                  on_slot_freed: Callable[[], None]) -> None:
         self._db = db
         self._tasks = tasks
         self._slots = slots
+        self._leases = leases
         self._executor = executor
         self._completer = completer
         self._stats = stats
@@ -138,18 +145,57 @@ class ClaimModeRunners:
             job = Job(*row)
             task = self._tasks[job.task]
             set_current(JobContext(job, conn=conn))
-            outcome: Outcome | None
+            # renewed by the heartbeat only if the handler ends the transaction itself (the
+            # claim is then visible, and must not be rescued while the handler still runs)
+            self._leases.add(job.id, job.lease_version, job.lease, in_transaction=lambda: (
+                conn.info.transaction_status != TransactionStatus.IDLE))
             try:
-                args = job.args
-                if args is None:
-                    loaded = conn.execute(q.LOAD_ARGS, {"id": job.id,
-                                                        "lease_version": job.lease_version})
-                    args = (loaded.fetchone() or [{}])[0]
-                with conn.transaction():  # a savepoint: a failed handler's writes roll back
-                    result = task.fn(**args)
-                outcome = decide(job, task, result=result)
-            except Exception as exc:  # Snooze included
-                outcome = decide(job, task, error=exc)
-            assert outcome is not None
-            rows = conn.execute(q.RECORD_OUTCOMES, outcome_params([outcome])).fetchall()
+                outcome = self._handle(conn, job, task)
+                if conn.info.transaction_status != TransactionStatus.IDLE:
+                    rows = conn.execute(q.RECORD_OUTCOMES, outcome_params([outcome])).fetchall()
+                else:
+                    rows = self._after_ended_transaction(conn, job, outcome)
+            finally:
+                self._leases.remove(job.id, job.lease_version)
         return outcome, rows[0][1] if rows else None
+
+    def _handle(self, conn: psycopg.Connection[Any], job: Job, task: Task) -> Outcome:
+        """Run the handler in a savepoint of the claim's transaction; its outcome."""
+        outcome: Outcome | None
+        try:
+            args = job.args
+            if args is None:
+                loaded = conn.execute(self._db.queries.LOAD_ARGS,
+                                      {"id": job.id, "lease_version": job.lease_version})
+                args = (loaded.fetchone() or [{}])[0]
+            problem = task.arguments.mismatch(args) if task.arguments is not None else None
+            if problem is not None:
+                raise ArgumentsError(problem)
+            with conn.transaction():  # a savepoint: a failed handler's writes roll back
+                result = task.fn(**args)
+                check_handler_transaction(conn)  # raising here rolls back to the savepoint
+            outcome = decide(job, task, result=result)
+        except Exception as exc:  # Snooze included
+            if (conn.info.transaction_status == TransactionStatus.IDLE
+                    and not isinstance(exc, HandlerTransactionError)):
+                exc = HandlerTransactionError(f"{ENDED}; it then raised "
+                                              f"{type(exc).__name__}: {exc}")
+            outcome = decide(job, task, error=exc)
+        assert outcome is not None  # never a cancellation here
+        return outcome
+
+    def _after_ended_transaction(self, conn: psycopg.Connection[Any], job: Job,
+                                 outcome: Outcome) -> list[Any]:
+        """Record the failed attempt of a handler that ended the claim's transaction itself.
+        After a COMMIT the claim is visible: the fenced outcome applies as in lease mode.
+        After a ROLLBACK the claim is undone: the attempt is counted on the available job
+        (unless another worker has claimed it since), so that such a handler cannot run
+        forever without using attempts."""
+        q = self._db.queries
+        log.error("job %s: %s", job.id, ENDED)
+        rows = conn.execute(q.RECORD_OUTCOMES, outcome_params([outcome])).fetchall()
+        if not rows:
+            rows = conn.execute(q.COUNT_UNDONE_ATTEMPT, {
+                "id": job.id, "attempt": job.attempt, "delay": outcome.delay,
+                "error": outcome.error}).fetchall()
+        return [(job.id, state) for _, state in rows]

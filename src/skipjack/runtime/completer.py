@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 
 from ..db import Database, ReconnectDelay, close_quietly, connection_lost
+from ..jobs import scrub_text
 from ..outcome import Outcome, outcome_params
 from .heartbeat import Leases
 
@@ -119,12 +120,14 @@ class Completer:
                         log.warning("recording %d outcomes refused: %s; recording them one by "
                                     "one", len(batch), str(exc).strip())
                         try:
-                            applied = await self._one_by_one(conn, batch)
+                            applied, batch, kept = await self._one_by_one(conn, batch)
                         except psycopg.Error:
                             await close_quietly(conn)
                             conn = None
                             await asyncio.sleep(backoff.next())
                             continue
+                        if kept:  # a lock or statement timeout: try those again shortly
+                            await asyncio.sleep(backoff.next())
                     finally:
                         self._writing = False
                     done = {o.id for o in batch}
@@ -137,27 +140,48 @@ class Completer:
         finally:
             await close_quietly(conn)
 
-    async def _one_by_one(self, conn: psycopg.AsyncConnection[Any],
-                          batch: list[Outcome]) -> dict[int, str]:
-        """Write each outcome alone: three tries as it is (the refusal may pass), then three
-        without its result and error (they may be what the database refuses). An outcome
-        refused all six times is dropped with an error log; its lease then expires and the
-        rescuer returns the job."""
+    async def _one_by_one(self, conn: psycopg.AsyncConnection[Any], batch: list[Outcome]
+                          ) -> tuple[dict[int, str], list[Outcome], list[Outcome]]:
+        """Write each outcome of a refused batch alone, so that one the database refuses
+        holds back no other. A refused outcome is written again without its result and with
+        its delay capped at an hour, its error kept and a note added (:func:`_safe`); refused
+        again, the job goes to the dead letter with only the note. An outcome refused by a
+        lock or statement timeout is kept for the next batch instead.
+
+        Returns:
+            (job id -> new state for the rows written, the outcomes written or given up on,
+            the outcomes kept for later).
+
+        Raises:
+            psycopg.Error: the connection was lost.
+        """
         applied: dict[int, str] = {}
+        settled: list[Outcome] = []
+        kept: list[Outcome] = []
+        q = self._db.queries
         for o in batch:
-            for i, attempt in enumerate((o, o, o, _stripped(o), _stripped(o), _stripped(o))):
+            refusal = ""
+            for step in range(3):
+                form = o if step == 0 else _safe(o, refusal, discard=step == 2)
                 try:
-                    cur = await conn.execute(self._db.queries.RECORD_OUTCOMES,
-                                             outcome_params([attempt]))
+                    cur = await conn.execute(q.RECORD_OUTCOMES, outcome_params([form]))
                     applied.update(dict(await cur.fetchall()))
+                    settled.append(form)
                     break
                 except psycopg.Error as exc:
                     if connection_lost(exc):
                         raise
-                    log.error("job %s: outcome refused by the database (try %d of 6): %s",
-                              o.id, i + 1, str(exc).strip())
-                    await asyncio.sleep(0.1 * (i + 1))
-        return applied
+                    if isinstance(exc, _TRANSIENT):
+                        kept.append(o)
+                        break
+                    refusal = str(exc).strip()
+                    log.error("job %s: its %s was refused by the database: %s", o.id, o.kind,
+                              refusal)
+            else:
+                log.error("job %s: no form of its outcome was taken; its lease will expire and "
+                          "the rescuer will return it", o.id)
+                settled.append(o)
+        return applied, settled, kept
 
     def count(self, o: Outcome, state: str | None) -> None:
         """Account for an outcome that was written (``state``: the job's new state) or
@@ -180,8 +204,30 @@ class Completer:
             log.info("job %s: attempt failed, retrying in %.1fs", o.id, o.delay)
 
 
-def _stripped(o: Outcome) -> Outcome:
-    """The outcome without what the database refused to store."""
-    note = json.dumps({"attempt": None, "error": "the outcome's result or error could not be "
-                       "stored and was dropped"})
-    return Outcome(o.id, o.lease_version, o.queue, o.kind, o.delay, None, note)
+# Refusals that say nothing about the outcome itself: it is written again later.
+_TRANSIENT = (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable,
+              psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+
+SAFE_DELAY_MAX = 3600.0
+
+
+def _safe(o: Outcome, refusal: str, *, discard: bool) -> Outcome:
+    """A form of a refused outcome that the database should take: without the result, the
+    delay capped at SAFE_DELAY_MAX seconds, the handler's error (message and traceback) kept
+    and a note of the refusal added; with ``discard``, a discard with only the note."""
+    note = f"the outcome ({o.kind}) was refused by the database: {refusal[:1000]}"
+    entry: dict[str, Any] = {"attempt": None, "error": note}
+    if not discard and o.error is not None:
+        try:
+            original = json.loads(o.error)
+            entry = {"attempt": original.get("attempt"),
+                     "error": str(original.get("error", ""))[:4000] + f" ({note})",
+                     "traceback": str(original.get("traceback", ""))[-16_000:]}
+        except (ValueError, AttributeError):
+            pass
+    error = json.dumps({k: scrub_text(v) if isinstance(v, str) else v for k, v in entry.items()},
+                       ensure_ascii=False)
+    if discard:
+        return Outcome(o.id, o.lease_version, o.queue, "discard", 0.0, None, error)
+    return Outcome(o.id, o.lease_version, o.queue, o.kind, min(o.delay, SAFE_DELAY_MAX), None,
+                   error)

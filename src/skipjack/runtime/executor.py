@@ -28,14 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ..app import Task
 from ..context import CancelCause, Job, JobContext, set_current
 from ..db import Database
-from ..errors import Snooze
+from ..errors import ArgumentsError, HandlerTransactionError, Snooze
 from ..jobs import dump_result
-from ..outcome import Outcome, decide, outcome_params
+from ..outcome import UNKNOWN_TASK_GRACE, Outcome, decide, outcome_params
 from .completer import Completer, WorkerStats
 from .heartbeat import Leases
 from .slots import Running, Slots
@@ -59,12 +60,16 @@ class Executor:
             with the claim (they are loaded just before the handler runs).
         on_slot_freed: called when a slot frees, with the queue of the job that ended (None
             for a stuck handler thread that returned).
+        unknown_task_grace: seconds after its enqueue during which a job of a task this
+            worker does not know is released for another worker (see
+            :func:`skipjack.outcome.decide`).
     """
 
     def __init__(self, db: Database, tasks: Mapping[str, Task], slots: Slots, leases: Leases,
                  completer: Completer, stats: WorkerStats, stopping: asyncio.Event, *,
                  concurrency: int, large_args_concurrency: int,
-                 on_slot_freed: Callable[[str | None], None]) -> None:
+                 on_slot_freed: Callable[[str | None], None],
+                 unknown_task_grace: float = UNKNOWN_TASK_GRACE) -> None:
         self._db = db
         self._tasks = tasks
         self._slots = slots
@@ -74,6 +79,7 @@ class Executor:
         self._stopping = stopping
         self._concurrency = concurrency
         self._on_slot_freed = on_slot_freed
+        self._unknown_task_grace = unknown_task_grace
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="skipjack-job")
         self._large_args = asyncio.Semaphore(large_args_concurrency)
         self.pool: ConnectionPool[psycopg.Connection[Any]] | None = None
@@ -85,12 +91,14 @@ class Executor:
         own = [t for t in self._tasks.values() if t.transaction != "none"]
         if any(not inspect.iscoroutinefunction(t.fn) for t in own):
             self.pool = ConnectionPool(self._db.dsn, min_size=0, max_size=self._concurrency,
-                                       kwargs=self._db.connect_kwargs, open=False)
+                                       kwargs=self._db.connect_kwargs, open=False,
+                                       configure=_no_idle_timeout)
             await asyncio.to_thread(self.pool.open)
         if any(inspect.iscoroutinefunction(t.fn) for t in own):
             self._apool = AsyncConnectionPool(self._db.dsn, min_size=0,
                                               max_size=self._concurrency,
-                                              kwargs=self._db.connect_kwargs, open=False)
+                                              kwargs=self._db.connect_kwargs, open=False,
+                                              configure=_no_idle_timeout_async)
             await self._apool.open()
 
     async def close(self) -> None:
@@ -191,8 +199,9 @@ class Executor:
         outcome: Outcome | None
         try:
             if task is None:
-                raise LookupError(f"unknown task {job.task!r}: no handler of that name is "
-                                  "registered in this worker's app")
+                log.warning("job %s: unknown task %r (not registered in this worker's app); "
+                            "released for a worker that knows it", job.id, job.task)
+                raise LookupError(job.task)  # decide() says what becomes of the job
             if job.args is not None:
                 result = await self._call(running, task, job.args)
             else:
@@ -209,7 +218,8 @@ class Executor:
         except (asyncio.CancelledError, Exception, SystemExit, KeyboardInterrupt) as exc:
             # ours (lease lost, cancel requested, timeout, shutdown) or the handler's own; a
             # handler never ends the worker
-            outcome = decide(job, task, error=exc, cancelled=ctx.cancellation)
+            outcome = decide(job, task, error=exc, cancelled=ctx.cancellation,
+                             unknown_task_grace=self._unknown_task_grace)
         finally:
             if running.superseded:  # see buffer()
                 self._slots.stuck_threads -= 1
@@ -223,7 +233,14 @@ class Executor:
             self._completer.submit(outcome)
 
     async def _call(self, running: Running, task: Task, args: dict[str, Any]) -> Any:
-        """Run the handler within the task's timeout (see :meth:`_call_now`)."""
+        """Run the handler within the task's timeout (see :meth:`_call_now`).
+
+        Raises:
+            ArgumentsError: the args do not fit the handler's signature (it is not called).
+        """
+        problem = task.arguments.mismatch(args) if task.arguments is not None else None
+        if problem is not None:
+            raise ArgumentsError(problem)
         if task.timeout is None:
             return await self._call_now(running, task, args)
         try:
@@ -294,6 +311,44 @@ class Executor:
         return args
 
 
+# A handler's transaction is idle while the handler computes or calls other services: the
+# handlers' connections lift any idle_in_transaction_session_timeout of the role or database,
+# which would otherwise end every attempt that runs longer (a transaction="claim" one sets
+# its own, its lease, per transaction).
+NO_IDLE_TIMEOUT = "SET idle_in_transaction_session_timeout = 0"
+
+
+def _no_idle_timeout(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(NO_IDLE_TIMEOUT)
+
+
+async def _no_idle_timeout_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute(NO_IDLE_TIMEOUT)
+
+
+ENDED = ("the handler ended the job's transaction itself (a COMMIT or ROLLBACK on "
+         "current_job().conn); skipjack alone may commit or roll it back")
+ABORTED = ("a statement of the handler failed and it went on, so the job's transaction was "
+           "aborted and none of its writes are kept; let the error propagate, or run the "
+           "statement in a savepoint (with conn.transaction(): ...)")
+
+
+def check_handler_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+                              ) -> None:
+    """After a handler returned: raise if it ended or aborted the transaction it was given.
+
+    Raises:
+        HandlerTransactionError: ``conn`` is no longer in a transaction (the handler sent
+            COMMIT or ROLLBACK), or its transaction is aborted (a failed statement the
+            handler went on from).
+    """
+    status = conn.info.transaction_status
+    if status == TransactionStatus.IDLE:
+        raise HandlerTransactionError(ENDED)
+    if status == TransactionStatus.INERROR:
+        raise HandlerTransactionError(ABORTED)
+
+
 def _completion(ctx: JobContext, result: Any) -> dict[str, str]:
     job = ctx.job
     return outcome_params([Outcome(job.id, job.lease_version, job.queue, "complete",
@@ -313,6 +368,7 @@ def run_complete(conn: psycopg.Connection[Any], record: bytes, ctx: JobContext,
         True if the completion committed; False if it was stale (all rolled back).
 
     Raises:
+        HandlerTransactionError: the handler ended or aborted the transaction.
         Exception: whatever the handler raised (its writes rolled back), or a database error.
     """
     applied = False
@@ -322,6 +378,7 @@ def run_complete(conn: psycopg.Connection[Any], record: bytes, ctx: JobContext,
             result = fn(**args)
         finally:
             ctx.conn = None
+        check_handler_transaction(conn)
         finishing()
         applied = bool(conn.execute(record, _completion(ctx, result)).fetchall())
         if not applied:
@@ -340,6 +397,7 @@ async def run_complete_async(conn: psycopg.AsyncConnection[Any], record: bytes,
             result = await fn(**args)
         finally:
             ctx.conn = None
+        check_handler_transaction(conn)
         finishing()
         cur = await conn.execute(record, _completion(ctx, result))
         applied = bool(await cur.fetchall())

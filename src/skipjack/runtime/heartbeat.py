@@ -30,6 +30,10 @@ class Lease:
     lease: float  # seconds
     renewed_at: float  # time.monotonic() of the last confirmed renewal (or of the claim)
     finishing: bool = False  # the handler ended; its outcome is waiting to be written
+    # A claim-mode job: whether its claim's transaction is still open (nothing to renew: no
+    # other session sees the claim). Once its handler ended that transaction itself, the
+    # claim is visible and its lease is renewed like any other.
+    in_transaction: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -39,9 +43,12 @@ class Leases:
     lock: threading.Lock = field(default_factory=threading.Lock)
     by_id: dict[int, Lease] = field(default_factory=dict)
 
-    def add(self, job_id: int, lease_version: int, lease: float) -> None:
+    def add(self, job_id: int, lease_version: int, lease: float,
+            in_transaction: Callable[[], bool] | None = None) -> None:
+        """Hold a claimed job (its lease of ``lease`` seconds starts now)."""
         with self.lock:
-            self.by_id[job_id] = Lease(job_id, lease_version, lease, time.monotonic())
+            self.by_id[job_id] = Lease(job_id, lease_version, lease, time.monotonic(),
+                                       in_transaction=in_transaction)
 
     def finishing(self, job_id: int, lease_version: int) -> None:
         with self.lock:
@@ -57,8 +64,8 @@ class Leases:
 
     def snapshot(self) -> list[Lease]:
         with self.lock:
-            return [Lease(x.id, x.lease_version, x.lease, x.renewed_at, x.finishing)
-                    for x in self.by_id.values()]
+            return [Lease(x.id, x.lease_version, x.lease, x.renewed_at, x.finishing,
+                          x.in_transaction) for x in self.by_id.values()]
 
     def __len__(self) -> int:
         with self.lock:
@@ -127,10 +134,18 @@ class HeartbeatThread(threading.Thread):
             self._conn.close()
 
     def _beat(self) -> None:
-        held = self._leases.snapshot()
+        started = time.monotonic()
+        held = []
+        for x in self._leases.snapshot():
+            if x.in_transaction is not None and x.in_transaction():
+                with self._leases.lock:  # invisible to others: nothing can take it
+                    current = self._leases.by_id.get(x.id)
+                    if current is not None and current.lease_version == x.lease_version:
+                        current.renewed_at = started
+            else:
+                held.append(x)
         if not held:
             return
-        started = time.monotonic()
         if self._conn is None or self._conn.closed:
             self._conn = self._db.connect()
         rows = self._conn.execute(

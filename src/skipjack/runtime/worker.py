@@ -34,7 +34,7 @@ from ..app import App
 from ..db import safe_dsn
 from ..errors import ConfigError
 from ..jobs import LEASE_MAX, QUEUE_MAX_BYTES, check_name
-from ..outcome import Outcome
+from ..outcome import UNKNOWN_TASK_GRACE, Outcome
 from ..sql.claim import claim_params
 from . import eventloop
 from .claim_mode import ClaimModeRunners
@@ -47,6 +47,13 @@ from .producer import Producer
 from .slots import Slots
 
 log = logging.getLogger("skipjack.worker")
+
+# Seconds a stopping worker waits for its producer to finish the claim in flight (a claim
+# takes milliseconds; a connection attempt to an unreachable server up to its timeout).
+PRODUCER_STOP_TIMEOUT = 15.0
+
+DAY = 86_400.0
+YEAR = 365.25 * DAY
 
 
 @dataclass
@@ -82,6 +89,10 @@ class Worker:
             lower ones).
         shutdown_grace: seconds running jobs get to finish after SIGTERM; the rest are then
             released back to their queue, their attempt not counted.
+
+    The intervals (``poll_interval``, ``rescue_interval``, ``stage_interval``,
+    ``listen_health_interval``) must be > 0 and at most a day, ``shutdown_grace`` 0 to a day,
+    ``unknown_task_grace`` at most 7 days, the retentions at most 10 years.
         name: the worker's name stored on claimed rows (default host:pid:random). Only for
             people: recovery never depends on it.
         inline_args_bytes: args larger than this (serialised bytes) are not fetched by the
@@ -90,6 +101,10 @@ class Worker:
             cannot exhaust the worker's memory.
         listen_health_interval: seconds of silence after which the listener checks its
             connection.
+        unknown_task_grace: seconds after its enqueue during which a job of a task this
+            worker's app does not know is released (its attempt not counted) for a worker
+            that knows it, as during a rolling deploy; then it goes to the dead letter
+            (default 600).
         stats: counters since the worker started.
 
     Raises:
@@ -114,6 +129,7 @@ class Worker:
     listen_health_interval: float = 10.0
     inline_args_bytes: int = 256 * 1024
     large_args_concurrency: int = 4
+    unknown_task_grace: float = UNKNOWN_TASK_GRACE
     stats: WorkerStats = field(default_factory=WorkerStats)
 
     def __post_init__(self) -> None:
@@ -142,12 +158,18 @@ class Worker:
             )
         if self.rescue_interval is None:
             self.rescue_interval = min(self.lease / 2, 15.0)
-        for name in ("poll_interval", "rescue_interval", "listen_health_interval",
-                     "stage_interval"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
-        if self.shutdown_grace < 0:
-            raise ConfigError(f"shutdown_grace: must be >= 0 seconds, got {self.shutdown_grace}")
+        for name, low, high in (("poll_interval", 0, DAY), ("rescue_interval", 0, DAY),
+                                ("listen_health_interval", 0, DAY), ("stage_interval", 0, DAY),
+                                ("unknown_task_grace", 0, 7 * DAY),
+                                ("shutdown_grace", None, DAY), ("retention", 0, 10 * YEAR),
+                                ("discarded_retention", 0, 10 * YEAR)):
+            value = getattr(self, name)
+            if value is None and name.endswith("retention"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    (value > low if low is not None else value >= 0) and value <= high):
+                raise ConfigError(f"{name}: {value!r} is out of range: seconds, "
+                                  f"{'>= 0' if low is None else '> 0'} and <= {high:,.0f}")
         self.name = self.name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         db = self.app.db
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -163,9 +185,11 @@ class Worker:
                                   self._completer, self.stats, self._stopping,
                                   concurrency=self.concurrency,
                                   large_args_concurrency=self.large_args_concurrency,
-                                  on_slot_freed=lambda q: self._producer.slot_freed(q))
+                                  on_slot_freed=lambda q: self._producer.slot_freed(q),
+                                  unknown_task_grace=self.unknown_task_grace)
         self._claim_mode = ClaimModeRunners(db, self.app.tasks, self.queues, self._slots,
-                                            self._executor, self._completer, self.stats,
+                                            self._leases, self._executor, self._completer,
+                                            self.stats,
                                             self._stopping, self._claim_params,
                                             lease=self.lease,
                                             on_slot_freed=lambda: self._producer.slot_freed())
@@ -273,8 +297,7 @@ class Worker:
                     failure = t.exception() or RuntimeError(f"{t.get_name()} ended")
                     log.error("worker component %s failed; shutting down", t.get_name(),
                               exc_info=failure)
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
+            await self._stop_producer(producer)
             await self._drain()
         finally:
             stopping.cancel()
@@ -287,6 +310,20 @@ class Worker:
             log.info("worker %s stopped: %s", self.name, self.stats)
         if failure is not None:
             raise failure
+
+    async def _stop_producer(self, producer: asyncio.Task[None]) -> None:
+        """Let the producer end by itself, so that a claim in flight when the stop came
+        reaches the buffer (and is released by :meth:`_drain`) instead of committing on the
+        server unseen (its jobs would stay running until their leases expired, and run again
+        with an attempt counted). It is cancelled only if it does not end within
+        ``PRODUCER_STOP_TIMEOUT`` seconds (a connection attempt to an unreachable server)."""
+        self._request_stop()
+        done, _ = await asyncio.wait([producer], timeout=PRODUCER_STOP_TIMEOUT)
+        if not done:
+            log.warning("the producer did not stop within %.0fs; cancelling it (jobs of a claim "
+                        "in flight come back when their leases expire)", PRODUCER_STOP_TIMEOUT)
+            producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
 
     def _check_task_leases(self) -> None:
         for task in self.app.tasks.values():

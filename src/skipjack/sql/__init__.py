@@ -100,6 +100,7 @@ class Queries:
     LIMITED_QUEUES = Statement(claim.LIMITED_QUEUES)
     SET_IDLE_TIMEOUT = Statement(claim.SET_IDLE_TIMEOUT)
     LOAD_ARGS = Statement(claim.LOAD_ARGS)
+    COUNT_UNDONE_ATTEMPT = Statement(claim.COUNT_UNDONE_ATTEMPT)
 
     # outcomes and lease renewal (fenced)
     RECORD_OUTCOMES = Statement(outcomes.RECORD_OUTCOMES)

@@ -132,6 +132,22 @@ SET_IDLE_TIMEOUT = """
 SELECT set_config('idle_in_transaction_session_timeout', %(ms)s::text, true)
 """
 
+# A claim-mode job whose handler rolled back its claim's transaction itself: the claim is
+# undone, so the failed attempt is counted here, with its error and retry delay (or the dead
+# letter if it was the last), unless another worker has claimed the job since (its state or
+# attempt count then differ).
+COUNT_UNDONE_ATTEMPT = """
+UPDATE {schema}.jobs AS j
+   SET attempt = j.attempt + 1,
+       state = CASE WHEN j.attempt + 1 >= j.max_attempts THEN 'discarded' ELSE 'scheduled' END,
+       run_at = now() + make_interval(secs => %(delay)s),
+       finished_at = CASE WHEN j.attempt + 1 >= j.max_attempts THEN now() END,
+       errors = j.errors || jsonb_build_array(%(error)s::jsonb
+                                              || jsonb_build_object('at', now()))
+ WHERE j.id = %(id)s AND j.state = 'available' AND j.attempt = %(attempt)s - 1
+RETURNING j.id, j.state
+"""
+
 # Args too large to come with the claim, read while the claim is still current.
 LOAD_ARGS = """
 SELECT args FROM {schema}.jobs WHERE id = %(id)s AND lease_version = %(lease_version)s
