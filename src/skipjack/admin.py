@@ -27,11 +27,33 @@ PERIOD_MAX = 31_557_600.0
 BATCH = 1000
 
 
-def notify(conn: psycopg.Connection[Any], queries: Queries, queues: set[str]) -> None:
-    """Wake the workers of ``queues`` (delivered when ``conn``'s transaction commits)."""
-    if queues:
-        conn.execute(queries.NOTIFY_QUEUES, {"channel": channel_name(queries.schema),
-                                             "queues": sorted(queues)})
+def notify(conn: psycopg.Connection[Any], queries: Queries, queues: set[str]) -> bool:
+    """Wake the workers of ``queues``, unless PostgreSQL's notification queue is too full.
+
+    A wake-up is only an optimisation (workers poll anyway), so it is skipped while the
+    notification queue is at least ``notify_queue_limit()`` full (see migration 3), and also
+    when PostgreSQL refuses it at commit because the queue filled up after that check.
+
+    Args:
+        conn: an autocommit connection (the notification is sent when its statement commits).
+        queries: the statements of the app's schema.
+        queues: the queue names to wake; none sends nothing.
+
+    Returns:
+        True if the notifications were sent, False if there was nothing to send or they were
+        skipped.
+
+    Raises:
+        psycopg.Error: the database could not be reached or refused the statement otherwise.
+    """
+    if not queues:
+        return False
+    try:
+        rows = conn.execute(queries.NOTIFY_QUEUES, {"channel": channel_name(queries.schema),
+                                                    "queues": sorted(queues)}).fetchall()
+    except psycopg.errors.ProgramLimitExceeded:  # "too many notifications in the NOTIFY queue"
+        return False
+    return bool(rows)
 
 
 def prune(conn: psycopg.Connection[Any], queries: Queries, *, retention: float,

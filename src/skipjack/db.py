@@ -58,9 +58,13 @@ def channel_name(schema: str) -> str:
 
 
 def connection_lost(exc: BaseException) -> bool:
-    """Did the database connection itself fail (as opposed to a statement it refused)?"""
+    """Did the database connection itself fail (as opposed to a statement it refused)?
+
+    Timeouts, lock waits refused and program limits (such as "too many notifications in the
+    NOTIFY queue") are refused statements on a connection that still works."""
     return isinstance(exc, psycopg.OperationalError) and not isinstance(
-        exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
+        exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable
+        | psycopg.errors.ProgramLimitExceeded)
 
 
 async def close_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:

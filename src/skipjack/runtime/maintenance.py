@@ -3,7 +3,9 @@
 - the stager makes due scheduled jobs available and wakes their queues;
 - the rescuer returns jobs whose lease expired to their queue, or to the dead letter;
 - the cron scheduler enqueues each due slot once (:func:`schedule_due`);
-- the pruner deletes finished jobs past their retention.
+- the pruner deletes finished jobs past their retention;
+- the notification queue's watch (:class:`NotifyQueueWatch`) warns while PostgreSQL's
+  notification queue is so full that wake-ups are skipped, naming the likely cause.
 
 None of them needs a leader: each takes its rows with ``SKIP LOCKED`` (so none
 waits on, or deadlocks with, workers or one another), and uniqueness in the database makes
@@ -18,7 +20,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -32,6 +34,11 @@ from ..db import Database, ReconnectDelay, channel_name, connection_lost
 from ..sql import Queries
 
 log = logging.getLogger("skipjack.maintenance")
+
+
+# Seconds between checks of the notification queue, and between repeats of its warning.
+NOTIFY_CHECK_INTERVAL = 5.0
+NOTIFY_WARN_EVERY = 60.0
 
 
 def rescue(conn: psycopg.Connection[Any], queries: Queries,
@@ -64,7 +71,16 @@ def rescue(conn: psycopg.Connection[Any], queries: Queries,
 
 def stage(conn: psycopg.Connection[Any], queries: Queries, schema: str,
           limit: int = BATCH) -> dict[str, int]:
-    """Make up to ``limit`` due scheduled jobs available; returns {queue: jobs staged}."""
+    """Make up to ``limit`` due scheduled jobs available and wake their queues (unless
+    PostgreSQL's notification queue is too full for wake-ups: see migration 3).
+
+    Returns:
+        {queue: jobs staged}.
+
+    Raises:
+        psycopg.Error: the database could not be reached or refused the statement; nothing
+            was staged.
+    """
     rows = conn.execute(queries.STAGE, {"limit": limit,
                                         "channel": channel_name(schema)}).fetchall()
     return {r[0]: r[1] for r in rows}
@@ -119,6 +135,82 @@ def _stage_and_wake(conn: psycopg.Connection[Any], db: Database,
             return
 
 
+class NotifyQueueWatch:
+    """The duty that watches PostgreSQL's notification queue.
+
+    While the queue is at least ``notify_queue_limit()`` full, every skipjack NOTIFY is
+    skipped (see migration 3) and workers find new jobs only by polling. The watch then logs a
+    warning that says so and names the oldest session idle in a transaction (a session that
+    LISTENs and stays in a transaction keeps every notification queued): at the first check
+    that sees it, then at most once per ``warn_every`` seconds while it lasts; and an info line
+    once the queue has room again. Its check also lets PostgreSQL reclaim the queue's space
+    once the stuck session has ended.
+
+    Args:
+        queries: the statements of the app's schema.
+        poll_interval: the worker's poll interval, in seconds (for the warning's text).
+        warn_every: seconds between repeats of the warning.
+    """
+
+    def __init__(self, queries: Queries, *, poll_interval: float,
+                 warn_every: float = NOTIFY_WARN_EVERY) -> None:
+        self._queries = queries
+        self._poll_interval = poll_interval
+        self._warn_every = warn_every
+        self._skipping = False
+        self._warned_at = 0.0
+
+    def __call__(self, conn: psycopg.Connection[Any]) -> None:
+        """Check the queue once and log what changed.
+
+        Raises:
+            psycopg.Error: the database could not be reached or refused the statement.
+        """
+        row = conn.execute(self._queries.NOTIFY_QUEUE_STATUS).fetchone()
+        if row is not None:
+            usage, skipping, limit, *holder = row
+            self.observe(usage, skipping, limit, holder, time.monotonic())
+
+    def observe(self, usage: float, skipping: bool, limit: float, holder: Sequence[Any],
+                now: float) -> None:
+        """Log what one check saw.
+
+        Args:
+            usage: the fraction of the queue in use (0..1).
+            skipping: whether wake-ups are skipped (``usage >= limit``).
+            limit: the fraction from which they are skipped.
+            holder: pid, application_name, database, state and transaction start of the
+                oldest session idle in a transaction (all None when none is visible).
+            now: a monotonic time, in seconds.
+        """
+        if skipping:
+            if not self._skipping or now - self._warned_at >= self._warn_every:
+                log.warning(
+                    "PostgreSQL's notification queue is %.0f%% full (skipjack sends no wake-up "
+                    "from %.0f%%): wake-ups are skipped and new jobs are picked up by polling, "
+                    "every %gs; %s", 100 * usage, 100 * limit, self._poll_interval,
+                    _holder_text(holder))
+                self._warned_at = now
+        elif self._skipping:
+            log.info("PostgreSQL's notification queue is %.0f%% full: wake-ups resumed",
+                     100 * usage)
+        self._skipping = skipping
+
+
+def _holder_text(holder: Sequence[Any]) -> str:
+    """The warning's words about the session that likely holds the notification queue."""
+    pid, application_name, database, state, xact_start = holder
+    if pid is None:
+        return ("no session idle in a transaction is visible to this role (a session that "
+                "LISTENs and stays in a transaction holds the queue back; a role with "
+                "pg_read_all_stats sees every session in pg_stat_activity)")
+    since = xact_start.isoformat(sep=" ", timespec="seconds") if xact_start else "?"
+    return (f"the oldest session idle in a transaction (it holds the queue back if it "
+            f"LISTENs): pid {pid}, application_name {application_name!r}, database "
+            f"{database!r}, state {state!r}, in its transaction since {since}; end it, or set "
+            f"idle_in_transaction_session_timeout")
+
+
 @dataclass
 class Duty:
     """One periodic task of the maintenance thread."""
@@ -130,7 +222,8 @@ class Duty:
 
 
 class Maintenance(threading.Thread):
-    """Runs the stager, rescuer, cron scheduler and pruner on a connection of its own.
+    """Runs the stager, rescuer, cron scheduler, pruner and the notification queue's watch on
+    a connection of its own.
 
     Args:
         db: the app's database.
@@ -140,6 +233,8 @@ class Maintenance(threading.Thread):
         on_staged: called (from this thread) with each queue that got runnable jobs.
         cron: the cron scheduler's pass (run every second), or None when the app has no
             cron entries.
+        poll_interval: the worker's poll interval, in seconds (named by the notification
+            queue's warning).
 
     Each duty's first run is at a random point of its first interval and later runs are
     jittered by +-20%, so many workers spread out.
@@ -148,7 +243,8 @@ class Maintenance(threading.Thread):
     def __init__(self, db: Database, *, stage_interval: float, rescue_interval: float,
                  retention: float | None, discarded_retention: float | None,
                  on_staged: Callable[[str], None],
-                 cron: Callable[[psycopg.Connection[Any]], object] | None = None) -> None:
+                 cron: Callable[[psycopg.Connection[Any]], object] | None = None,
+                 poll_interval: float = 5.0) -> None:
         super().__init__(name="skipjack-maintenance", daemon=True)
         self._db = db
         self._stop_event = threading.Event()
@@ -157,6 +253,8 @@ class Maintenance(threading.Thread):
         self._duties = [
             Duty("stager", stage_interval, lambda c: _stage_and_wake(c, db, on_staged)),
             Duty("rescuer", rescue_interval, lambda c: rescue(c, q)),
+            Duty("notification queue watch", NOTIFY_CHECK_INTERVAL,
+                 NotifyQueueWatch(q, poll_interval=poll_interval)),
         ]
         if cron is not None:
             self._duties.append(Duty("cron", 1.0, cron))

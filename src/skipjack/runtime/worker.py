@@ -14,7 +14,8 @@ handlers that exhaust the application's pool can never starve lease renewal or c
   producer;
 - :class:`~skipjack.runtime.heartbeat.HeartbeatThread`: renews leases every ``heartbeat``
   seconds, hears cancellation requests;
-- :class:`~skipjack.runtime.maintenance.Maintenance` (thread): stager, rescuer, cron, pruner.
+- :class:`~skipjack.runtime.maintenance.Maintenance` (thread): stager, rescuer, cron, pruner,
+  the notification queue's watch.
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ class Worker:
             db, stage_interval=self.stage_interval, rescue_interval=self.rescue_interval,
             retention=self.retention, discarded_retention=self.discarded_retention,
             on_staged=self._threadsafe(self._producer.mark_due),
-            cron=(lambda c: schedule_due(self.app, c)) if self.app.crons else None)
+            cron=(lambda c: schedule_due(self.app, c)) if self.app.crons else None,
+            poll_interval=self.poll_interval)
 
     # --- lifecycle -----------------------------------------------------------------------
 

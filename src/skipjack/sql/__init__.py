@@ -106,13 +106,14 @@ class Queries:
     RECORD_OUTCOMES = Statement(outcomes.RECORD_OUTCOMES)
     HEARTBEAT = Statement(outcomes.HEARTBEAT)
 
-    # maintenance: stager, rescuer, pruner
+    # maintenance: stager, rescuer, pruner, the notification queue's watch
     STAGE = Statement(maintenance.STAGE)
     RESCUE_CANDIDATES = Statement(maintenance.RESCUE_CANDIDATES)
     RESCUE = Statement(maintenance.RESCUE)
     PRUNE = Statement(maintenance.PRUNE)
     PRUNE_CRON = Statement(maintenance.PRUNE_CRON)
     NOTIFY_QUEUES = Statement(maintenance.NOTIFY_QUEUES)
+    NOTIFY_QUEUE_STATUS = Statement(maintenance.NOTIFY_QUEUE_STATUS)
 
     # operators
     STATS = Statement(admin.STATS)

@@ -1,9 +1,14 @@
-"""Statements of the maintenance duties: the stager, the rescuer, the pruner and the wake-ups
-they send."""
+"""Statements of the maintenance duties: the stager, the rescuer, the pruner, the wake-ups
+they send and the watch on PostgreSQL's notification queue.
+
+Every wake-up is sent only while ``{schema}.may_notify()`` (migration 3) finds the
+notification queue less than ``{schema}.notify_queue_limit()`` full, so that a full queue
+skips the wake-up instead of failing the transaction; workers poll anyway."""
 
 from __future__ import annotations
 
-# Scheduled jobs that are due become available, oldest first, and their queues are woken.
+# Scheduled jobs that are due become available, oldest first, and their queues are woken
+# while the notification queue has room (checked once per statement).
 STAGE = """
 WITH due AS (
     SELECT id FROM {schema}.jobs
@@ -14,9 +19,13 @@ WITH due AS (
 ), staged AS (
     UPDATE {schema}.jobs AS j SET state = 'available' FROM due WHERE j.id = due.id
     RETURNING j.queue
+), room AS MATERIALIZED (
+    SELECT {schema}.may_notify() AS ok
 )
-SELECT queue, count(*) AS jobs, pg_notify(%(channel)s, queue) IS NULL AS notified
-  FROM staged GROUP BY queue
+SELECT s.queue, s.jobs,
+       CASE WHEN room.ok THEN pg_notify(%(channel)s, s.queue) IS NOT NULL ELSE false END
+           AS notified
+  FROM (SELECT queue, count(*) AS jobs FROM staged GROUP BY queue) AS s CROSS JOIN room
 """
 
 # Step 1: candidates whose lease expired, with the fencing token seen now.
@@ -75,7 +84,28 @@ DELETE FROM {schema}.cron_slots AS c
  WHERE c.recorded_at < now() - make_interval(secs => %(age)s)
    AND c.slot < (SELECT max(slot) FROM {schema}.cron_slots AS l WHERE l.name = c.name)
 """
-# Wake the workers of some queues (jobs made available by the rescuer or by hand).
+# Wake the workers of some queues (jobs made available by the rescuer or by hand), while the
+# notification queue has room (checked once); one row per notification sent.
 NOTIFY_QUEUES = """
 SELECT pg_notify(%(channel)s, q) FROM unnest(%(queues)s::text[]) AS q
+ WHERE (SELECT {schema}.may_notify())
+"""
+
+# How full PostgreSQL's notification queue is (0..1; the call also reclaims what every
+# listener has read), whether wake-ups are being skipped and, while they are, the oldest
+# session idle in a transaction: the likely one holding the queue back, since a session that
+# LISTENs reads no notification while it is in a transaction. The session's columns are NULL
+# when there is none, or when this role may not see it (pg_read_all_stats sees every one).
+NOTIFY_QUEUE_STATUS = """
+SELECT u.usage, u.usage >= {schema}.notify_queue_limit() AS skipping,
+       {schema}.notify_queue_limit() AS notify_limit,
+       h.pid, h.application_name, h.datname, h.state, h.xact_start
+  FROM (SELECT pg_notification_queue_usage() AS usage) AS u
+  LEFT JOIN LATERAL (
+       SELECT pid, application_name, datname, state, xact_start FROM pg_stat_activity
+        WHERE u.usage >= {schema}.notify_queue_limit()
+          AND state IN ('idle in transaction', 'idle in transaction (aborted)')
+          AND pid <> pg_backend_pid()
+        ORDER BY xact_start
+        LIMIT 1) AS h ON true
 """

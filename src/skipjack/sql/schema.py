@@ -35,8 +35,9 @@ RECORD_MIGRATION = """
 INSERT INTO {schema}.migrations (version, name) VALUES (%(version)s, %(name)s)
 """
 
-# A round trip through LISTEN/NOTIFY, to check notifications reach the worker's sessions.
-PROBE_NOTIFY = "SELECT pg_notify(%(channel)s, 'probe')"
+# A round trip through LISTEN/NOTIFY, to check notifications reach the worker's sessions;
+# sent only while the notification queue has room (one row when sent, none when not).
+PROBE_NOTIFY = "SELECT pg_notify(%(channel)s, 'probe') WHERE {schema}.may_notify()"
 
 
 def listen_statement(channel: str) -> sql.Composed:
