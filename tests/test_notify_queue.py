@@ -1,4 +1,4 @@
-"""FC-34: a full NOTIFY queue must not stop the queue.
+"""A full NOTIFY queue must not stop the queue.
 
 A session of another application LISTENs on skipjack's channel and stays in a transaction,
 so PostgreSQL's notification queue (here shrunk to 64 pages, 512 kB) fills up. Wake-ups are
@@ -59,7 +59,7 @@ def _usage(dsn: str) -> float:
     return float(query(dsn, "SELECT pg_notification_queue_usage()")[0][0])
 
 
-def test_fc34_a_full_notify_queue_skips_wakeups_and_nothing_else(
+def test_a_full_notify_queue_skips_wakeups_and_nothing_else(
         small_notify_queue: None, app: App, caplog: pytest.LogCaptureFixture) -> None:
     ran: list[int] = []
 
@@ -72,7 +72,7 @@ def test_fc34_a_full_notify_queue_skips_wakeups_and_nothing_else(
 
     # another application's session: it LISTENs on the channel, then idles in a transaction,
     # so it reads no notification and PostgreSQL can free none
-    blocker = psycopg.connect(app.dsn, application_name="fc34-blocker")
+    blocker = psycopg.connect(app.dsn, application_name="notify-blocker")
     blocker.execute(f'LISTEN "{channel_name(app.schema)}"')
     blocker.commit()
     blocker.execute("SELECT 1")
@@ -122,7 +122,7 @@ def test_fc34_a_full_notify_queue_skips_wakeups_and_nothing_else(
                 warning = wait_until(lambda: _watch_warning(caplog.records), timeout=30,
                                      what="the worker's warning about the notification queue")
                 assert "wake-ups are skipped" in warning and "polling, every 0.5s" in warning
-                assert f"pid {blocker_pid}" in warning and "'fc34-blocker'" in warning
+                assert f"pid {blocker_pid}" in warning and "'notify-blocker'" in warning
                 assert "idle in transaction" in warning
 
                 blocker.rollback()
