@@ -11,7 +11,11 @@ claimed under the queue's row lock (``LOCK_QUEUE`` then ``CLAIM_LIMITED``); whic
 limited is re-read at every poll.
 
 Its connection claims with ``synchronous_commit = off`` (see :mod:`skipjack.sql`), and is
-replaced after any error, with capped backoff; every queue is rescanned after that.
+replaced after a lost connection, with capped backoff; every queue is rescanned after that.
+A claim statement the database refuses (a trigger of the application's raising for one job,
+a counter that would overflow) is retried job by job in a transaction rolled back afterwards,
+to find the jobs it fails on; those are skipped for a while (backing off while they fail) so
+that the rest of the queue runs, and claimed again once the fault has gone.
 """
 
 from __future__ import annotations
@@ -24,13 +28,19 @@ from typing import Any
 import psycopg
 
 from ..context import Job
-from ..db import Database, ReconnectDelay, close_quietly
+from ..db import Database, ReconnectDelay, close_quietly, connection_lost
+from ..sql.arrays import number_array
 from .claim_mode import ClaimModeRunners, ClaimParams
 from .completer import Completer
 from .executor import Executor
 from .slots import Slots
 
 log = logging.getLogger("skipjack.worker")
+
+# A job whose claim fails (FC-35 in tests/CASES.md) is skipped by this worker for SKIP_FIRST
+# seconds, then for twice as long each time it fails again, at most SKIP_MAX.
+SKIP_FIRST = 1.0
+SKIP_MAX = 60.0
 
 
 class Producer:
@@ -69,6 +79,9 @@ class Producer:
         self.due = dict.fromkeys(self._queues, True)  # queues that may have jobs for us
         self._claims = dict.fromkeys(self._queues, 0)  # claims that took jobs, per queue
         self._limited: set[str] = set()
+        # job id -> (monotonic time until which it is skipped, the last skip's seconds)
+        self._skipped: dict[int, tuple[float, float]] = {}
+        self._oldest = False  # whether the last claim was oldest-first
 
     def mark_due(self, queue: str) -> None:
         """``queue`` may have runnable jobs now (a notification, or the stager made some)."""
@@ -128,6 +141,10 @@ class Producer:
                         rows = await self._claim(conn, queue, want)
                         backoff.reset()
                     except psycopg.Error as exc:
+                        if (conn is not None and not conn.broken and not connection_lost(exc)
+                                and await self._skip_failing(conn, queue, want, exc)):
+                            self.due[queue] = True  # claim again, without them
+                            continue
                         await close_quietly(conn)
                         conn = None
                         delay = backoff.next()
@@ -157,14 +174,65 @@ class Producer:
         finally:
             await close_quietly(conn)
 
+    def _params(self, queue: str, want: int) -> dict[str, Any]:
+        """Bind values of a lease-mode claim, skipping the jobs whose claim failed lately."""
+        params = self._claim_params(queue, want, False)
+        if self._skipped:
+            now = asyncio.get_running_loop().time()
+            for job_id, (until, delay) in list(self._skipped.items()):
+                if 0.0 < until <= now:
+                    log.info("job %s: trying to claim it again", job_id)
+                    self._skipped[job_id] = (0.0, delay)  # its delay kept, to double it
+            params["skip"] = number_array([i for i, (until, _) in self._skipped.items()
+                                           if until > now])
+        return params
+
+    async def _skip_failing(self, conn: psycopg.AsyncConnection[Any], queue: str, want: int,
+                            exc: psycopg.Error) -> bool:
+        """After a claim statement the database refused: find the jobs the claim fails on
+        (each tried alone, in a transaction rolled back afterwards) and skip them for a
+        while (:data:`SKIP_FIRST`, doubling to :data:`SKIP_MAX` seconds while they fail), so
+        the rest of the queue runs. Returns whether any was found; if not, the failure is not
+        a job's and the caller backs off as after a lost connection."""
+        q = self._db.queries
+        params = self._params(queue, want)
+        failing: list[tuple[int, str]] = []
+        try:
+            async with conn.transaction() as dry_run:
+                listed = q.CLAIM_CANDIDATES_OLDEST if self._oldest else q.CLAIM_CANDIDATES
+                ids = [r[0] for r in await (await conn.execute(listed, params)).fetchall()]
+                for job_id in ids:
+                    try:
+                        async with conn.transaction():
+                            await (await conn.execute(q.CLAIM_BY_ID,
+                                                      {**params, "id": job_id})).fetchall()
+                    except psycopg.Error as one:
+                        if connection_lost(one):
+                            raise
+                        failing.append((job_id, str(one).strip()))
+                raise psycopg.Rollback(dry_run)
+        except psycopg.Error:
+            return False
+        now = asyncio.get_running_loop().time()
+        for job_id, error in failing:
+            delay = min(SKIP_MAX, 2 * self._skipped.get(job_id, (0.0, SKIP_FIRST / 2))[1])
+            self._skipped[job_id] = (now + delay, delay)
+            log.error("job %s: claiming it fails (%s); skipping it for %.0fs", job_id, error,
+                      delay)
+        if not failing:
+            log.warning("claim on %s refused (%s), but by no job of it alone", queue,
+                        str(exc).strip())
+        return bool(failing)
+
     async def _claim(self, conn: psycopg.AsyncConnection[Any], queue: str,
                      want: int) -> list[Any]:
         """One claim from one queue: through the queue's lock when it is limited; every
         ``fairness_every``-th claim that takes jobs oldest-first instead of by priority."""
         q = self._db.queries
-        params = self._claim_params(queue, want, False)
+        params = self._params(queue, want)
         every = self._fairness_every
         oldest = every and (self._claims[queue] + 1) % every == 0
+        self._oldest = bool(oldest)
         if queue in self._limited:
             async with conn.transaction():
                 await conn.execute(q.LOCK_QUEUE, {"queue": queue})
@@ -175,4 +243,7 @@ class Producer:
                                              params)).fetchall()
         if rows:  # claims that find nothing (an empty queue, a limit reached) do not count
             self._claims[queue] += 1
+            if self._skipped:
+                for row in rows:  # a job skipped before was claimed: the fault has gone
+                    self._skipped.pop(row[0], None)
         return rows

@@ -100,6 +100,9 @@ class Queries:
     LIMITED_QUEUES = Statement(claim.LIMITED_QUEUES)
     SET_IDLE_TIMEOUT = Statement(claim.SET_IDLE_TIMEOUT)
     LOAD_ARGS = Statement(claim.LOAD_ARGS)
+    CLAIM_CANDIDATES = Statement(claim.CLAIM_CANDIDATES)
+    CLAIM_CANDIDATES_OLDEST = Statement(claim.CLAIM_CANDIDATES_OLDEST)
+    CLAIM_BY_ID = Statement(claim.CLAIM_BY_ID)
     COUNT_UNDONE_ATTEMPT = Statement(claim.COUNT_UNDONE_ATTEMPT)
 
     # outcomes and lease renewal (fenced)

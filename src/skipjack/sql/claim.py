@@ -11,26 +11,43 @@ returned; the worker loads them with LOAD_ARGS just before the handler runs.
 ``transaction="claim"`` (claimed and run in one open transaction, ``claim_mode`` true: only
 those tasks) from lease claims (``claim_mode`` false: every other task).
 
-Every variant is built by :func:`claim_jobs` (which jobs, in which order, how many); the
-claims of a queue with a concurrency or rate limit by :func:`claim_limited_jobs`.
+Every variant is built by :func:`claim_jobs` from the jobs that :func:`candidates` selects
+(which jobs, in which order, how many); the claims of a queue with a concurrency or rate limit
+by :func:`claim_limited_jobs`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .arrays import text_array
+from .arrays import number_array, text_array
 
 
-def claim_jobs(*, queue_filter: str, order: str, limit: str) -> str:
-    """The claim statement.
+def candidates(*, queue_filter: str, order: str, limit: str) -> str:
+    """The jobs a claim takes: available now in one queue, of the right mode, not skipped,
+    in ``order``, at most ``limit``, locked (SKIP LOCKED: never waiting on another claim).
 
     Args:
         queue_filter: a condition on the queue's settings (paused, limited) that must hold.
         order: the ORDER BY list: :data:`PRIORITY_ORDER` or :data:`OLDEST_ORDER`.
         limit: the LIMIT expression.
+
+    ``skip`` holds ids this worker leaves alone for a while because claiming them failed
+    (see :mod:`skipjack.runtime.producer`); usually none.
     """
-    return ("""
+    return """SELECT id FROM {schema}.jobs
+         WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
+           AND (task = ANY(%(claim_mode_tasks)s::text[])) = %(claim_mode)s
+           AND id <> ALL(%(skip)s::bigint[])
+           AND """ + queue_filter + """
+         ORDER BY """ + order + """
+         LIMIT """ + limit + """
+           FOR NO KEY UPDATE SKIP LOCKED"""
+
+
+def claim_jobs(jobs: str) -> str:
+    """The claim of the jobs that the subquery ``jobs`` selects (see :func:`candidates`)."""
+    return """
 UPDATE {schema}.jobs AS j
    SET state = 'running',
        attempt = j.attempt + 1,
@@ -39,20 +56,14 @@ UPDATE {schema}.jobs AS j
                               coalesce(j.lease_seconds, %(lease)s), %(min_lease)s)),
        lease_version = j.lease_version + 1 + floor(random() * 2147483647)::bigint,
        worker = %(worker)s
-  FROM (SELECT id FROM {schema}.jobs
-         WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
-           AND (task = ANY(%(claim_mode_tasks)s::text[])) = %(claim_mode)s
-           AND """ + queue_filter + """
-         ORDER BY """ + order + """
-         LIMIT """ + limit + """
-           FOR NO KEY UPDATE SKIP LOCKED) AS c
+  FROM (""" + jobs + """) AS c
  WHERE j.id = c.id
 RETURNING j.id, j.queue, j.task,
           CASE WHEN j.args_bytes <= %(inline_bytes)s THEN j.args END AS args,
           j.priority, j.attempt, j.max_attempts, j.lease_version, j.created_at, j.run_at,
           j.attempted_at, j.idempotency_key,
           greatest(coalesce(j.lease_seconds, %(lease)s), %(min_lease)s) AS lease
-""")
+"""
 
 
 PRIORITY_ORDER = "priority DESC, run_at, id"
@@ -68,10 +79,20 @@ _UNCONTROLLED = """NOT EXISTS (SELECT 1 FROM {schema}.queues AS q WHERE q.name =
 _NOT_PAUSED = """NOT EXISTS (SELECT 1 FROM {schema}.queues AS q
                                                  WHERE q.name = %(queue)s AND q.paused)"""
 
-CLAIM = claim_jobs(queue_filter=_UNCONTROLLED, order=PRIORITY_ORDER, limit="%(limit)s")
-CLAIM_OLDEST = claim_jobs(queue_filter=_UNCONTROLLED, order=OLDEST_ORDER, limit="%(limit)s")
-CLAIM_IN_TRANSACTION = claim_jobs(queue_filter=_NOT_PAUSED, order=PRIORITY_ORDER,
-                                  limit="%(limit)s")
+CLAIM = claim_jobs(candidates(queue_filter=_UNCONTROLLED, order=PRIORITY_ORDER,
+                              limit="%(limit)s"))
+CLAIM_OLDEST = claim_jobs(candidates(queue_filter=_UNCONTROLLED, order=OLDEST_ORDER,
+                                     limit="%(limit)s"))
+CLAIM_IN_TRANSACTION = claim_jobs(candidates(queue_filter=_NOT_PAUSED, order=PRIORITY_ORDER,
+                                             limit="%(limit)s"))
+
+# After a claim statement failed on some row (a trigger of the application's raising, a value
+# that overflows): the ids that claim would take (in a transaction rolled back afterwards)...
+CLAIM_CANDIDATES = candidates(queue_filter="true", order=PRIORITY_ORDER, limit="%(limit)s")
+CLAIM_CANDIDATES_OLDEST = candidates(queue_filter="true", order=OLDEST_ORDER,
+                                     limit="%(limit)s")
+# ... and the claim of one of them, tried alone in a savepoint to find which fail.
+CLAIM_BY_ID = claim_jobs("SELECT %(id)s::bigint AS id")
 
 # Limited queues: LOCK_QUEUE (first statement of a transaction) serialises the claims of
 # one queue, so CLAIM_LIMITED (second statement, fresh snapshot) counts every claim that
@@ -84,7 +105,7 @@ SELECT paused FROM {schema}.queues WHERE name = %(queue)s FOR UPDATE
 
 def claim_limited_jobs(order: str) -> str:
     """The claim from a limited queue (after LOCK_QUEUE), in ``order`` (see
-    :func:`claim_jobs`): as many as its limits allow, counted into its rate window."""
+    :func:`candidates`): as many as its limits allow, counted into its rate window."""
     return ("""
 WITH q AS (
     SELECT q.*, q.window_start IS NULL
@@ -100,8 +121,8 @@ WITH q AS (
                       %(limit)s))) AS n
       FROM q
 ), claimed AS (
-""" + claim_jobs(queue_filter="true", order=order,
-                           limit="coalesce((SELECT n FROM allowed), 0)").strip() + """
+""" + claim_jobs(candidates(queue_filter="true", order=order,
+                           limit="coalesce((SELECT n FROM allowed), 0)")).strip() + """
 ), counted AS (
     UPDATE {schema}.queues AS q
        SET window_start = CASE WHEN q2.new_window THEN now() ELSE q.window_start END,
@@ -157,7 +178,7 @@ SELECT args FROM {schema}.jobs WHERE id = %(id)s AND lease_version = %(lease_ver
 def claim_params(queue: str, limit: int, *, lease: float, worker: str,
                  min_lease: float = 0.0, inline_bytes: int = 256 * 1024,
                  claim_mode_tasks: list[str] | None = None,
-                 claim_mode: bool = False) -> dict[str, Any]:
+                 claim_mode: bool = False, skip: list[int] | None = None) -> dict[str, Any]:
     """Bind values of every claim statement of this module.
 
     Args:
@@ -169,7 +190,9 @@ def claim_params(queue: str, limit: int, *, lease: float, worker: str,
         inline_bytes: args up to this size (bytes) come with the claim; larger ones are
             loaded later.
         claim_mode_tasks, claim_mode: see the module's docstring.
+        skip: ids not to claim (see :func:`candidates`).
     """
     return {"queue": queue, "limit": limit, "lease": lease, "worker": worker,
             "min_lease": min_lease, "inline_bytes": inline_bytes,
-            "claim_mode_tasks": text_array(claim_mode_tasks or []), "claim_mode": claim_mode}
+            "claim_mode_tasks": text_array(claim_mode_tasks or []), "claim_mode": claim_mode,
+            "skip": number_array(skip or [])}

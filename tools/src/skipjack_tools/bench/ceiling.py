@@ -61,7 +61,8 @@ def pgbench_script(app: App, conn: psycopg.Connection[Any]) -> str:
     claim = app.queries.CLAIM.decode()
     for name, value in (("queue", "'bench'"), ("limit", str(BATCH)), ("lease", "30.0"),
                         ("worker", "'pgbench'"), ("inline_bytes", str(256 * 1024)),
-                        ("min_lease", "0"), ("claim_mode_tasks", "'{}'"), ("claim_mode", "false")):
+                        ("min_lease", "0"), ("claim_mode_tasks", "'{}'"), ("claim_mode", "false"),
+                        ("skip", "'{}'")):
         claim = claim.replace(f"%({name})s", value)
     record = app.queries.RECORD_OUTCOMES.decode().replace("%(outcomes)s", ":outcomes")
     gather = (f"WITH c AS ({claim.strip()})\n"
