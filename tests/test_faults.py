@@ -243,7 +243,8 @@ def test_chaos_audit_finds_nothing_lost_stuck_or_duplicated(tasks: App, server: 
         version = sorted(Path("/etc/postgresql").iterdir())[-1].name
         restart = f"pg_ctlcluster --skip-systemctl-redirect {version} main restart -m fast"
     opts = ChaosOptions(jobs=800, workers=3, concurrency=4, duration_ms=20, kill_every=1.0,
-                        stall_every=1.5, restart_db_every=4.0, terminate_backends_every=2.0,
+                        stall_every=1.5, term_every=1.2, restart_db_every=4.0,
+                        terminate_backends_every=2.0,
                         restart_cmd=restart, lease=1.0, seed=7, timeout=180,
                         schema=tasks.schema + "_chaos")
     audit = run_chaos(server.dsn if server.kind == "local" else None, opts)
@@ -252,3 +253,5 @@ def test_chaos_audit_finds_nothing_lost_stuck_or_duplicated(tasks: App, server: 
     assert (audit["lost"], audit["stuck"], audit["duplicate_effects"]) == (0, 0, 0)
     assert audit["completed"] == 800
     assert audit["faults"]["kills"] > 0 and audit["faults"]["db_restarts"] > 0
+    assert audit["faults"]["graceful_stops"] > 0
+    assert (audit["attempts_spent_by_graceful_stops"], audit["graceful_stops_failed"]) == (0, 0)

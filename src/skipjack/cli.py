@@ -6,6 +6,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -23,6 +24,12 @@ from .jobs import STATES
 def _app(ctx: click.Context) -> App:
     obj: dict[str, Any] = ctx.obj
     return App(obj["dsn"], schema=obj["schema"])
+
+
+def _exit_before_start(_sig: int, _frame: object) -> None:
+    logging.getLogger("skipjack.worker").info("stopped before it started")
+    embedded.release()
+    os._exit(0)
 
 
 def load_app(path: str, dsn: str | None, schema: str | None) -> App:
@@ -172,6 +179,10 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
            prefetch: int | None, fairness_every: int, unknown_task_grace: str, name: str,
            migrate: bool) -> None:
     """Run a worker for the tasks of MODULE:APP."""
+    # a stop that comes while the worker starts (nothing claimed yet) ends it quietly, with
+    # status 0; once it runs, the worker's own handlers stop it gracefully
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_before_start)
     from .runtime.worker import Worker
 
     app = load_app(app_path, ctx.obj["dsn"], ctx.obj["schema"])

@@ -36,6 +36,7 @@ from .sql import (
     CHAOS_AUDIT,
     CHAOS_EFFECT,
     CHAOS_FINISHED,
+    CHAOS_GRACEFUL_LOSSES,
     CHAOS_START,
     CHAOS_TABLES,
     DROP_SCHEMA,
@@ -81,6 +82,7 @@ class ChaosOptions:
     duration_ms: float = 10.0
     kill_every: float = 0.0
     stall_every: float = 0.0
+    term_every: float = 0.0
     restart_db_every: float = 0.0
     terminate_backends_every: float = 0.0
     restart_cmd: str | None = None
@@ -99,6 +101,10 @@ class _Workers:
                     "SKIPJACK_APPLICATION_NAME": app_name, "PYTHONUNBUFFERED": "1"}
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stalled: dict[int, float] = {}  # pid -> when to resume
+        self.last_stalled: dict[int, float] = {}  # pid -> when it was last stalled
+        self.stopping: list[subprocess.Popen[bytes]] = []  # SIGTERMed, draining
+        self.log_of: dict[int, Path] = {}  # pid -> its log file
+        self.stopped: list[tuple[int, float, int]] = []  # (pid, SIGTERM at epoch, status)
         self.started = 0
 
     def start(self) -> None:
@@ -109,10 +115,16 @@ class _Workers:
                "--heartbeat", str(o.lease / 6), "--rescue-interval", str(o.lease / 4),
                "--poll-interval", "1", "--grace", "1"]
         self.started += 1
-        out = open(self.logs / f"worker-{self.started}.log", "wb")
-        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=out,
-                                           stderr=subprocess.STDOUT))
+        log = self.logs / f"worker-{self.started}.log"
+        out = open(log, "wb")
+        proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
         out.close()
+        self.procs.append(proc)
+        self.log_of[proc.pid] = log
+
+    def serving(self, p: subprocess.Popen[bytes]) -> bool:
+        """Whether the worker has started (it logs "serving" once it claims)."""
+        return " serving " in self.log_of[p.pid].read_text(errors="replace")
 
     def kill_one(self, rng: random.Random) -> None:
         # a stalled worker is left to resume, so that its stale writes meet the fence
@@ -123,6 +135,34 @@ class _Workers:
         self.stalled.pop(victim.pid, None)
         self.start()
 
+    def term_one(self, rng: random.Random) -> bool:
+        """SIGTERM a worker and start its replacement at once, as a rolling deploy does;
+        False when no worker qualifies: it must be serving (one still starting holds no job
+        and may not have its signal handlers yet) and awake, and not stalled within the last
+        two leases (it could still hold leases that its stall let expire)."""
+        now = time.monotonic()
+        ready = [p for p in self.procs if p.pid not in self.stalled
+                 and now - self.last_stalled.get(p.pid, -1e9) > 2 * self.opts.lease + 1
+                 and self.serving(p)]
+        if not ready:
+            return False
+        victim = rng.choice(ready)
+        victim.send_signal(signal.SIGTERM)
+        self.procs.remove(victim)
+        self.stopping.append(victim)
+        self.stopped.append((victim.pid, time.time(), -1))
+        self.start()
+        return True
+
+    def reap(self) -> None:
+        """Record the exit status of SIGTERMed workers that have exited."""
+        for p in list(self.stopping):
+            status = p.poll()
+            if status is not None:
+                self.stopping.remove(p)
+                self.stopped = [(pid, at, status if pid == p.pid else st)
+                                for pid, at, st in self.stopped]
+
     def stall_one(self, rng: random.Random, seconds: float) -> bool:
         """SIGSTOP a worker; False (nothing done) when that would leave none awake."""
         awake = [p for p in self.procs if p.pid not in self.stalled]
@@ -131,6 +171,7 @@ class _Workers:
         victim = rng.choice(awake)
         victim.send_signal(signal.SIGSTOP)
         self.stalled[victim.pid] = time.monotonic() + seconds
+        self.last_stalled[victim.pid] = time.monotonic() + seconds
         return True
 
     def resume_due(self, everyone: bool = False) -> None:
@@ -144,12 +185,13 @@ class _Workers:
         self.resume_due(everyone=True)
         for p in self.procs:
             p.send_signal(signal.SIGTERM)
-        for p in self.procs:
+        for p in self.procs + self.stopping:
             try:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.reap()
 
     def count_in_logs(self, pattern: str) -> int:
         regex = re.compile(pattern)
@@ -170,7 +212,10 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
         the run ended), lost (enqueued jobs whose row vanished), stuck (running with an
         expired lease after one more lease period), duplicate_effects, missing_effects,
         duplicate_starts (re-runs the faults caused), stale_writes_rejected, leases_lost,
-        faults injected, elapsed seconds and ``ok``: nothing lost, stuck, unfinished,
+        attempts_spent_by_graceful_stops (a job rescued from a worker after it was SIGTERMed:
+        a graceful stop must run or release every job it holds), graceful_stops_failed
+        (SIGTERMed workers that did not exit 0), faults injected, elapsed seconds and ``ok``:
+        nothing lost, stuck, unfinished,
         discarded, duplicated or missing (the workload never fails by itself).
 
     Raises:
@@ -194,8 +239,10 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
     app_name = f"skipjack-chaos-{os.getpid()}"
     logs = Path(tempfile.mkdtemp(prefix="skipjack-chaos-"))
     workers = _Workers(dsn, opts, logs, app_name)
-    faults = {"kills": 0, "stalls": 0, "db_restarts": 0, "backend_terminations": 0}
+    faults = {"kills": 0, "stalls": 0, "graceful_stops": 0, "db_restarts": 0,
+              "backend_terminations": 0}
     every = {"kills": opts.kill_every, "stalls": opts.stall_every,
+             "graceful_stops": opts.term_every,
              "db_restarts": opts.restart_db_every,
              "backend_terminations": opts.terminate_backends_every}
     started = time.monotonic()
@@ -214,6 +261,7 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
     try:
         while time.monotonic() < deadline:
             workers.resume_due()
+            workers.reap()
             now = time.monotonic()
             for kind, at in list(next_at.items()):
                 if now >= at:
@@ -235,6 +283,11 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
                          conn.execute(render(CHAOS_AUDIT, run.schema)).fetchone() or (),
                          strict=True))
     workers.stop()
+    with run.connect() as conn:
+        row = conn.execute(render(CHAOS_GRACEFUL_LOSSES, run.schema), {
+            "pids": [pid for pid, _, _ in workers.stopped],
+            "stopped_at": [at for _, at, _ in workers.stopped]}).fetchone()
+    graceful_losses = int(row[0]) if row else 0
     result = {
         "enqueued": opts.jobs,
         "completed": audit["completed"],
@@ -248,6 +301,11 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
         "stale_writes_rejected": workers.count_in_logs(r"stale \w+ rejected"),
         "leases_lost": workers.count_in_logs(r"lease (?:lost|expired):"),
         "max_attempt": audit["max_attempt"],
+        "attempts_spent_by_graceful_stops": graceful_losses,
+        # killed by the signal (not handled) or failed (1); 2 is a start that found no
+        # database (a restart under way), which is no fault of the stop
+        "graceful_stops_failed": sum(1 for _, _, status in workers.stopped
+                                     if status < 0 or status == 1),
         "faults": faults,
         "elapsed_s": round(time.monotonic() - started, 2),
         "logs": str(logs),
@@ -255,7 +313,8 @@ def run_chaos(dsn: str | None, opts: ChaosOptions, echo: Any = None) -> dict[str
     # the workload never fails by itself: a discarded job means faults exhausted its attempts
     result["ok"] = not (result["lost"] or result["stuck"] or result["duplicate_effects"]
                         or result["missing_effects"] or result["discarded"]
-                        or result["unfinished"])
+                        or result["unfinished"] or graceful_losses
+                        or result["graceful_stops_failed"])
     run.close()
     return result
 
@@ -267,6 +326,8 @@ def _inject(kind: str, workers: _Workers, rng: random.Random, opts: ChaosOptions
         workers.kill_one(rng)
     elif kind == "stalls":
         return workers.stall_one(rng, opts.lease * 2)
+    elif kind == "graceful_stops":
+        return workers.term_one(rng)
     elif kind == "db_restarts":
         say("restarting PostgreSQL")
         if embedded_server:

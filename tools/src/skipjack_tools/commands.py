@@ -51,6 +51,9 @@ def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
               help="Work per job.")
 @click.option("--kill-every", default="0", help="SIGKILL a random worker (e.g. 2s); 0: never.")
 @click.option("--stall-every", default="0", help="SIGSTOP a worker past its lease, then resume.")
+@click.option("--term-every", default="0",
+              help="SIGTERM a worker (a graceful stop) and start its replacement at once, as a "
+                   "rolling deploy does.")
 @click.option("--restart-db-every", default="0", help="Restart PostgreSQL.")
 @click.option("--terminate-backends-every", default="0",
               help="pg_terminate_backend every session of the workers.")
@@ -63,7 +66,7 @@ def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
 @click.option("--json", "as_json", is_flag=True, help="Print the audit as one JSON object.")
 @click.pass_context
 def chaos(ctx: click.Context, n_jobs: int, workers: int, concurrency: int, duration_ms: float,
-          kill_every: str, stall_every: str, restart_db_every: str,
+          kill_every: str, stall_every: str, term_every: str, restart_db_every: str,
           terminate_backends_every: str, restart_cmd: str | None, lease: float,
           seed: int | None, timeout: str, as_json: bool) -> None:
     """Run jobs while killing, stalling and cutting off workers and restarting PostgreSQL;
@@ -73,6 +76,7 @@ def chaos(ctx: click.Context, n_jobs: int, workers: int, concurrency: int, durat
     opts = ChaosOptions(
         jobs=n_jobs, workers=workers, concurrency=concurrency, duration_ms=duration_ms,
         kill_every=parse_duration(kill_every), stall_every=parse_duration(stall_every),
+        term_every=parse_duration(term_every),
         restart_db_every=parse_duration(restart_db_every),
         terminate_backends_every=parse_duration(terminate_backends_every),
         restart_cmd=restart_cmd, lease=lease, seed=seed, timeout=parse_duration(timeout),

@@ -58,6 +58,17 @@ SELECT (SELECT count(*) FROM {schema}.jobs) AS rows,
        (SELECT coalesce(max(attempt), 0) FROM {schema}.jobs) AS max_attempt
 """
 
+# Attempts that graceful stops spent: rescues (a lease that expired) of jobs held by a worker
+# after it was SIGTERMed (pid and time given as arrays: the worker's name is host:pid:...).
+CHAOS_GRACEFUL_LOSSES = """
+SELECT count(*)
+  FROM {schema}.jobs AS j, jsonb_array_elements(j.errors) AS e,
+       unnest(%(pids)s::int[], %(stopped_at)s::float8[]) AS t(pid, at)
+ WHERE e->>'error' LIKE 'lease expired%%'
+   AND split_part(e->>'worker', ':', 2) = t.pid::text
+   AND (e->>'at')::timestamptz >= to_timestamp(t.at)
+"""
+
 CHAOS_FINISHED = """
 SELECT count(*) FROM {schema}.jobs WHERE state IN ('succeeded', 'discarded')
 """
