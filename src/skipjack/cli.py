@@ -18,6 +18,7 @@ from . import embedded
 from .app import App
 from .errors import SkipjackError
 from .jobs import STATES
+from .migrate import LOCK_ATTEMPTS, LOCK_ATTEMPTS_MAX, LOCK_TIMEOUT
 
 
 def _app(ctx: click.Context) -> App:
@@ -127,10 +128,17 @@ def main(ctx: click.Context, dsn: str | None, schema: str | None, verbose: bool)
 
 
 @main.command()
+@click.option("--lock-timeout", default=f"{LOCK_TIMEOUT:g}s", show_default=True,
+              help="The longest each lock wait lasts (the queue's statements on a table "
+                   "wait behind it meanwhile).")
+@click.option("--attempts", default=LOCK_ATTEMPTS, show_default=True,
+              type=click.IntRange(1, LOCK_ATTEMPTS_MAX),
+              help="Tries when a lock wait timed out, with a backoff between.")
 @click.pass_context
-def migrate(ctx: click.Context) -> None:
-    """Create or upgrade the schema (safe to run from many processes at once)."""
-    applied = _app(ctx).migrate()
+def migrate(ctx: click.Context, lock_timeout: str, attempts: int) -> None:
+    """Create or upgrade the schema (safe to run from many processes at once, and while
+    workers run: it gives up a lock wait after --lock-timeout and tries again)."""
+    applied = _app(ctx).migrate(lock_timeout=parse_duration(lock_timeout), attempts=attempts)
     click.echo(f"applied migrations {applied}" if applied else "schema is up to date")
 
 
