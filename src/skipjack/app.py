@@ -18,7 +18,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from . import enqueue as enqueuing
 from .admin import Admin
-from .cron import CronSchedule
+from .cron import GRACE_MAX, GRACE_MIN, CronSchedule
 from .db import Database
 from .errors import ValidationError
 from .jobs import (
@@ -325,8 +325,9 @@ class App(Admin):
             ValidationError: bad expression, zone, args or a name already used.
         """
         schedule = CronSchedule(expr, tz)
-        if not 10 <= grace <= 86400 * 7:
-            raise ValidationError("grace", f"{grace} seconds is out of range 10..604800")
+        if not GRACE_MIN <= grace <= GRACE_MAX:
+            raise ValidationError("grace", f"{grace} seconds is out of range "
+                                           f"{GRACE_MIN:g}..{GRACE_MAX:g}")
 
         def register(task: Task) -> Task:
             if not isinstance(task, Task):

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from . import embedded
 from .app import App
+from .db import connection_lost
 from .errors import SkipjackError
 from .jobs import STATES
 from .migrate import LOCK_ATTEMPTS, LOCK_ATTEMPTS_MAX, LOCK_TIMEOUT
@@ -255,12 +256,14 @@ def jobs_show(ctx: click.Context, job_id: int) -> None:
 @click.argument("job_ids", type=int, nargs=-1, required=True)
 @click.pass_context
 def jobs_retry(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Re-enqueue discarded jobs with a fresh set of attempts."""
-    done = _app(ctx).retry_discarded(job_ids)
-    click.echo(f"re-enqueued {done}")
-    missing = sorted(set(job_ids) - set(done))
-    if missing:
-        raise click.ClickException(f"not discarded (left alone): {missing}")
+    """Re-enqueue discarded jobs with a fresh set of attempts. A job whose idempotency key
+    another job now holds is left alone (exit status 1 when any job is left alone, each
+    named with why)."""
+    results = _app(ctx).retry_discarded_each(job_ids)
+    click.echo(f"re-enqueued {[r.id for r in results if r.outcome == 'retried']}")
+    left = [r.describe() for r in results if r.outcome != "retried"]
+    if left:
+        raise click.ClickException("; ".join(left))
 
 
 @jobs.command("cancel")
@@ -406,6 +409,11 @@ def run() -> None:
         click.echo(f"error: {str(exc).strip()}: is the schema migrated? run `skipjack migrate`",
                    err=True)
         sys.exit(2)
-    except psycopg.OperationalError as exc:
-        click.echo(f"error: cannot reach the database: {str(exc).strip()}", err=True)
+    except psycopg.Error as exc:
+        if connection_lost(exc):
+            click.echo(f"error: cannot reach the database: {str(exc).strip()}", err=True)
+        else:  # e.g. a foreign key of the application's that refuses a prune
+            state = exc.sqlstate or "no SQLSTATE"
+            click.echo(f"error: the database refused a statement ({state}): "
+                       f"{str(exc).strip()}", err=True)
         sys.exit(2)
