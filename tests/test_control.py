@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +18,19 @@ import psycopg
 import pytest
 
 from skipjack import App, DuplicateJobError
-from skipjack.runtime.maintenance import Maintenance, rescue, stage
+from skipjack.admin import RetryResult
+from skipjack.runtime.maintenance import Maintenance, rescue, schedule_due, stage
 from test_claim_fencing import claim, claim_params, expire
 
-from support import WorkerProcess, create_log_tables, exec_counts, query, states, wait_until
+from support import (
+    TESTS,
+    WorkerProcess,
+    create_log_tables,
+    exec_counts,
+    query,
+    states,
+    wait_until,
+)
 
 FAST = ["--lease", "2", "--heartbeat", "0.3", "--rescue-interval", "0.5", "--poll-interval",
         "0.5"]
@@ -411,3 +424,172 @@ def test_fc25_finished_history_stays_off_the_claims_path(tasks: App) -> None:
     scan = next(line for line in plan if "jobs_claim_idx" in line)
     assert re.search(r"rows=1(\.00)? ", scan), text
     assert (tasks.get_job(due) or {})["state"] == "available"
+
+
+WAITING = ("scheduled", "available", "running")
+
+
+def _cli(app: App, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema",
+                           app.schema, *args], cwd=TESTS, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_fc36_retry_leaves_a_job_whose_key_a_live_job_holds_and_retries_the_rest(
+        tasks: App, caplog: pytest.LogCaptureFixture) -> None:
+    """A held key k while waiting or running, was discarded, and B now holds k; C and D are
+    plain discarded jobs. Retrying A, C and D (the CLI, then the App) while the maintenance
+    thread rescues and schedules cron: C and D are retried, A is left alone with an answer
+    that names the key and its holder, nothing fails. A holder that commits while a retry
+    waits for it does not fail the retry either."""
+    t = tasks.tasks["t"].configure(queue="q")
+    a = t.configure(idempotency_key="k", unique_while=WAITING).enqueue()
+    c, d = enqueue(tasks, "t", 2, queue="q")
+    assert sorted(tasks.discard([a, c, d])) == sorted([a, c, d])
+    b = t.configure(idempotency_key="k").enqueue()
+    assert b != a
+    (lost,) = enqueue(tasks, "t", 1, queue="r")  # for the rescuer
+    claim(tasks, queue="r", limit=1)
+    expire(tasks, lost)
+    tasks.cron("* * * * *", name="tick")(tasks.tasks["t"])
+    m = Maintenance(tasks.db, stage_interval=0.1, rescue_interval=0.1, retention=None,
+                    discarded_retention=None, on_staged=lambda queue: None,
+                    cron=lambda conn: schedule_due(tasks, conn))
+    m.start()
+    try:
+        done = _cli(tasks, "jobs", "retry", str(a), str(c), str(d))
+        assert done.returncode == 1, done.stderr
+        assert done.stdout == f"re-enqueued {[c, d]}\n"
+        assert f"job {a} left alone: its idempotency key 'k' is held by job {b} (available)" \
+            in done.stderr and "Traceback" not in done.stderr
+
+        assert sorted(tasks.discard([c, d])) == sorted([c, d])
+        with caplog.at_level("INFO", logger="skipjack.admin"):
+            assert tasks.retry_discarded([a, c, d]) == [c, d]
+        assert f"job {a} left alone: its idempotency key 'k' is held by job {b}" in caplog.text
+
+        assert sorted(tasks.discard([c, d])) == sorted([c, d])
+        assert tasks.retry_discarded_each([a, c, d, c, b, 10**12]) == [
+            RetryResult(a, "key_held", "discarded", "k", b, "available"),
+            RetryResult(c, "retried", "available"),
+            RetryResult(d, "retried", "available"),
+            RetryResult(b, "not_discarded", "available", "k"),
+            RetryResult(10**12, "not_found"),
+        ]
+        assert [(tasks.get_job(i) or {})["state"] for i in (a, b, c, d)] == [
+            "discarded", "available", "available", "available"]
+
+        # a job taking A2's key is inserted by a transaction that commits while the retry
+        # waits for it
+        a2 = t.configure(idempotency_key="k2", unique_while=WAITING).enqueue()
+        (e,) = enqueue(tasks, "t", 1, queue="q")
+        assert sorted(tasks.discard([a2, e])) == sorted([a2, e])
+        with ThreadPoolExecutor(1) as pool, tasks.connect(autocommit=False) as holder:
+            b2 = tasks.enqueue(t.configure(idempotency_key="k2").job(), conn=holder)
+            retrying = pool.submit(tasks.retry_discarded_each, [a2, e])
+            wait_until(lambda: query(tasks.dsn, "SELECT count(*) FROM pg_stat_activity WHERE "
+                                     "%s = ANY(pg_blocking_pids(pid))",
+                                     [holder.info.backend_pid])[0][0],
+                       timeout=60, what="the retry waiting for the new holder of k2")
+            holder.commit()
+            assert retrying.result(timeout=60) == [
+                RetryResult(a2, "key_held", "discarded", "k2", b2, "available"),
+                RetryResult(e, "retried", "available")]
+
+        # the maintenance duties went on meanwhile
+        wait_until(lambda: (tasks.get_job(lost) or {})["state"] == "available", timeout=60,
+                   what="the expired job rescued")
+        wait_until(lambda: query(tasks.dsn, "SELECT count(*) FROM {schema}.jobs WHERE "
+                                 "idempotency_key LIKE 'cron:tick:%%'", schema=tasks.schema)[0][0],
+                   timeout=60, what="the cron slot enqueued")
+        assert m.is_alive()
+    finally:
+        m.stop()
+        m.join(30)
+
+
+def test_fc38_pruning_keeps_each_schedules_latest_slot_and_copes_with_foreign_keys(
+        app: App) -> None:
+    """A schedule every minute, a job per slot, each job finished and pruned with a retention
+    of 1 s while the application's rows reference it (ON DELETE SET NULL and CASCADE): every
+    prune succeeds. Cron history younger than the longest grace (7 days) stays; older history
+    goes except each schedule's latest slot, so a scheduler restarted with a grace of 600 s
+    resumes after it and enqueues no slot twice. An ON DELETE RESTRICT reference makes the
+    batch fail (the worker's pruner logs it and goes on: see the test above)."""
+    fks = query(app.dsn, "SELECT conname FROM pg_constraint c JOIN pg_namespace n ON n.oid = "
+                         "c.connamespace WHERE c.contype = 'f' AND n.nspname = %s", [app.schema])
+    assert fks == []  # no foreign key between skipjack's own tables
+    query(app.dsn, """
+        CREATE TABLE {schema}.nulled (job_id bigint REFERENCES {schema}.jobs ON DELETE SET NULL);
+        CREATE TABLE {schema}.cascaded (job_id bigint REFERENCES {schema}.jobs ON DELETE CASCADE);
+    """, schema=app.schema)
+
+    def scheduler(a: App) -> App:
+        a.cron("* * * * *", name="tick", grace=600)(a.task(name="tick")(lambda: None))
+        return a
+
+    def finish_and_reference() -> None:
+        query(app.dsn, """
+            UPDATE {schema}.jobs SET state = 'succeeded', finished_at = now() - interval '1 h'
+             WHERE state = 'available';
+            INSERT INTO {schema}.nulled SELECT id FROM {schema}.jobs;
+            INSERT INTO {schema}.cascaded SELECT id FROM {schema}.jobs;
+        """, schema=app.schema)
+
+    def slots() -> list[datetime]:
+        return [s for (s,) in query(app.dsn, "SELECT slot FROM {schema}.cron_slots ORDER BY 1",
+                                    schema=app.schema)]
+
+    keys: list[str] = []
+
+    def new_keys() -> None:
+        keys.extend(k for (k,) in query(app.dsn, "SELECT idempotency_key FROM {schema}.jobs "
+                                                 "WHERE state = 'available'", schema=app.schema))
+
+    start = datetime(2030, 1, 1, 12, tzinfo=UTC)
+    scheduler(app)
+    with app.connect() as conn:
+        for minute in range(10):
+            assert schedule_due(app, conn, now=start + timedelta(minutes=minute, seconds=5)) == 1
+            new_keys()
+            finish_and_reference()
+            assert app.prune(retention=1.0) == 1
+        assert query(app.dsn, "SELECT count(*), count(job_id) FROM {schema}.nulled",
+                     schema=app.schema) == [(10, 0)]
+        assert query(app.dsn, "SELECT count(*) FROM {schema}.cascaded",
+                     schema=app.schema) == [(0,)]
+        every_slot = [start + timedelta(minutes=i) for i in range(10)]
+        assert slots() == every_slot
+
+        query(app.dsn, "UPDATE {schema}.cron_slots SET recorded_at = now() - interval '2 days'",
+              schema=app.schema)
+        app.prune(retention=1.0)
+        assert slots() == every_slot  # inside the longest grace a schedule may have
+        query(app.dsn, "UPDATE {schema}.cron_slots SET recorded_at = now() - interval '8 days'",
+              schema=app.schema)
+        app.prune(retention=1.0)
+        assert slots() == every_slot[-1:]  # the scheduler resumes after the latest
+
+        restarted = scheduler(App(app.dsn, schema=app.schema))
+        for seconds in (30, 50):  # 12:09's job is pruned; 12:00-12:08 are within the grace
+            assert schedule_due(restarted, conn, now=every_slot[-1] + timedelta(
+                seconds=seconds)) == 0
+        assert schedule_due(restarted, conn, now=start + timedelta(minutes=10, seconds=5)) == 1
+        new_keys()
+        restarted.close()
+    assert len(keys) == len(set(keys)) == 11  # one job per slot, 12:00 to 12:10
+
+    finish_and_reference()
+    for table, action, refused in (("restricted", "ON DELETE RESTRICT", "23001"),
+                                   ("unspecified", "", "23503")):  # NO ACTION, the default
+        query(app.dsn, f"CREATE TABLE {{schema}}.{table} (job_id bigint REFERENCES "
+                       f"{{schema}}.jobs {action}); "
+                       f"INSERT INTO {{schema}}.{table} SELECT id FROM {{schema}}.jobs",
+              schema=app.schema)
+        with pytest.raises(psycopg.IntegrityError, match=f"foreign key constraint .{table}_"):
+            app.prune(retention=1.0)
+        done = _cli(app, "prune", "--retention", "1s")
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith(f"error: the database refused a statement ({refused}): ")
+        assert states(app.dsn, app.schema) == {"succeeded": 1}
+        query(app.dsn, f"DROP TABLE {{schema}}.{table}", schema=app.schema)

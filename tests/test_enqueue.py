@@ -429,3 +429,72 @@ def test_bulk_enqueue_stores_every_value_exactly(app: App) -> None:
     args, priority, attempts, key, lease, _, state, _ = by_id[ids[-1]]
     assert (args, priority, attempts, key, lease, state) == (
         {"plain": True}, 0, 25, None, None, "available")
+
+
+@pytest.mark.parametrize("conn_given", [False, True], ids=["own_connection", "callers_transaction"])
+@pytest.mark.parametrize("chunk", [1000, 100])
+def test_fc34_one_bulk_enqueue_with_a_key_twice_and_a_key_held_inserts_the_rest(
+        app: App, monkeypatch: pytest.MonkeyPatch, conn_given: bool, chunk: int) -> None:
+    """1,000 jobs in one enqueue_many: job 500's key is held by a live job, jobs 10 and 11
+    (and 20 and 950, in different statements when a statement takes 100) share a new key.
+    Every other job is inserted, both positions of a shared key report its one job, the held
+    key reports its holder; nothing fails, and the caller's transaction goes on and commits."""
+    monkeypatch.setattr(skipjack.enqueue, "CHUNK_JOBS", chunk)
+    t = _task(app)
+    held = t.configure(idempotency_key="held").enqueue(n=-1)
+    keys = {500: "held", 10: "twice", 11: "twice", 20: "apart", 950: "apart"}
+    specs = [t.configure(idempotency_key=keys.get(i)).job(n=i) for i in range(1000)]
+    if conn_given:
+        query(app.dsn, "CREATE TABLE {schema}.orders (id int)", schema=app.schema)
+        with app.connect(autocommit=False) as conn:
+            ids = app.enqueue_many(specs, conn=conn)
+            assert conn.info.transaction_status == TransactionStatus.INTRANS
+            conn.execute(psycopg.sql.SQL("INSERT INTO {}.orders VALUES (1)").format(
+                psycopg.sql.Identifier(app.schema)))
+            conn.commit()
+        assert query(app.dsn, "SELECT id FROM {schema}.orders", schema=app.schema) == [(1,)]
+    else:
+        ids = app.enqueue_many(specs)
+    assert len(ids) == 1000
+    assert ids[500] == held
+    assert ids[10] == ids[11] and ids[20] == ids[950]
+    assert len(set(ids)) == 1000 - 2  # 11 and 950 name the jobs of 10 and 20
+    rows = dict(query(app.dsn, "SELECT id, (args->>'n')::int FROM {schema}.jobs",
+                      schema=app.schema))
+    assert len(rows) == 1 + 997  # the holder, and none for 500, 11 and 950
+    assert rows[held] == -1  # the holder is unchanged
+    assert [rows[ids[i]] for i in (10, 11, 20, 950)] == [10, 10, 20, 20]  # the first wins
+    assert all(rows[ids[i]] == i for i in range(1000) if i not in keys)
+
+
+def test_fc37_a_finished_job_keeps_its_key_unless_unique_while_says_otherwise(
+        app: App) -> None:
+    """Default unique_while (every state): enqueueing the key of a discarded, cancelled or
+    succeeded job returns that job's id, and the caller reads its state to tell "done" from
+    "dead" (and retries a dead one). unique_while limited to the waiting and running states:
+    a new job takes the key once the previous one finished."""
+    t = _task(app)
+    forever = {state: t.configure(idempotency_key=f"forever-{state}") for state in
+               ("discarded", "cancelled", "succeeded")}
+    first = {state: task.enqueue(n=1) for state, task in forever.items()}
+    assert app.discard([first["discarded"]]) == [first["discarded"]]
+    assert app.cancel([first["cancelled"]]) == {"cancelled": 1, "requested": 0}
+    query(app.dsn, "UPDATE {schema}.jobs SET state = 'succeeded', finished_at = now() "
+                   "WHERE id = %s", [first["succeeded"]], schema=app.schema)
+    for state, task in forever.items():
+        again = task.enqueue(n=2)
+        assert again == first[state]
+        job = app.get_job(again) or {}
+        assert (job["state"], job["args"]) == (state, {"n": 1})  # the caller can tell
+    assert app.retry_discarded([first["discarded"]]) == [first["discarded"]]
+    assert (app.get_job(first["discarded"]) or {})["state"] == "available"
+
+    limited = t.configure(idempotency_key="limited",
+                          unique_while=("scheduled", "available", "running"))
+    old = limited.enqueue(n=1)
+    assert limited.enqueue(n=2) == old  # waiting: still held
+    assert app.discard([old]) == [old]
+    new = limited.enqueue(n=3)
+    assert new != old
+    assert [(app.get_job(i) or {})["state"] for i in (old, new)] == ["discarded", "available"]
+    assert limited.enqueue(n=4) == new

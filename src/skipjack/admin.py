@@ -5,18 +5,23 @@ queues, prune history. :class:`skipjack.App` has these methods (:class:`Admin`).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import psycopg
 import psycopg.rows
 
+from .cron import GRACE_MAX
 from .db import Database, channel_name
 from .errors import ValidationError
 from .jobs import QUEUE_MAX_BYTES, check_name
 from .sql import Queries
+
+log = logging.getLogger("skipjack.admin")
 
 # The largest concurrency or rate limit, and the longest rate period (seconds).
 LIMIT_MAX = 1_000_000
@@ -25,6 +30,66 @@ PERIOD_MAX = 31_557_600.0
 # Rows per statement of every batched operation (cancel, prune, stage, rescue), so none holds
 # many row locks at once.
 BATCH = 1000
+
+# Runs of the retry statement when a job taking a retried job's key commits meanwhile.
+RETRY_ROUNDS = 5
+
+RetryOutcome = Literal["retried", "not_found", "not_discarded", "key_held"]
+
+
+@dataclass(frozen=True)
+class RetryResult:
+    """What :meth:`Admin.retry_discarded_each` did with one job id.
+
+    Attributes:
+        id: the job id asked for.
+        outcome: ``"retried"`` (available again with a fresh set of attempts),
+            ``"not_found"`` (no such job: never enqueued, or pruned), ``"not_discarded"``
+            (not in the dead letter: ``state`` says where it is, None when another session
+            changed or pruned it while this ran) or ``"key_held"`` (its idempotency key is
+            held by another job, ``holder``, which keeps it: the job stays discarded).
+        state: the job's state after the call (``"available"`` when retried, else as read).
+        idempotency_key: the job's idempotency key, or None.
+        holder: the id of the job holding the key (``"key_held"`` only), and
+            ``holder_state`` its state.
+    """
+
+    id: int
+    outcome: RetryOutcome
+    state: str | None = None
+    idempotency_key: str | None = None
+    holder: int | None = None
+    holder_state: str | None = None
+
+    def describe(self) -> str:
+        """One line for people, e.g. ``job 7 left alone: its idempotency key 'k' is held by
+        job 9 (available)``."""
+        if self.outcome == "retried":
+            return f"job {self.id} retried"
+        if self.outcome == "not_found":
+            why = "no such job"
+        elif self.outcome == "key_held":
+            why = (f"its idempotency key {self.idempotency_key!r} is held by job "
+                   f"{self.holder} ({self.holder_state})")
+        elif self.state is None:
+            why = "changed or pruned by another session meanwhile"
+        else:
+            why = f"not discarded (state {self.state})"
+        return f"job {self.id} left alone: {why}"
+
+
+def _retry_result(job_id: int, queue: str | None, state: str | None, key: str | None,
+                  holder: int | None, holder_state: str | None) -> RetryResult:
+    """A row of RETRY_DISCARDED as a :class:`RetryResult`."""
+    if queue is not None:
+        return RetryResult(job_id, "retried", "available", key)
+    if state is None:
+        return RetryResult(job_id, "not_found")
+    if state != "discarded":
+        return RetryResult(job_id, "not_discarded", state, key)
+    if holder is not None:
+        return RetryResult(job_id, "key_held", state, key, holder, holder_state)
+    return RetryResult(job_id, "not_discarded", None, key)  # changed by another session
 
 
 def notify(conn: psycopg.Connection[Any], queries: Queries, queues: set[str]) -> bool:
@@ -58,7 +123,9 @@ def notify(conn: psycopg.Connection[Any], queries: Queries, queues: set[str]) ->
 
 def prune(conn: psycopg.Connection[Any], queries: Queries, *, retention: float,
           discarded_retention: float | None = None, limit: int = BATCH) -> int:
-    """Delete finished jobs past their retention, one batch per state group.
+    """Delete finished jobs past their retention, one batch per state group, and cron
+    history recorded more than ``max(retention, 7 days)`` ago except each schedule's latest
+    slot (the scheduler resumes after it, so no slot runs again once its job is pruned).
 
     Args:
         retention: seconds to keep succeeded and cancelled jobs.
@@ -70,6 +137,11 @@ def prune(conn: psycopg.Connection[Any], queries: Queries, *, retention: float,
         The number of jobs deleted.
 
     Raises:
+        psycopg.IntegrityError: a row of the application's references a job of the batch
+            with ``ON DELETE RESTRICT`` (``RestrictViolation``) or ``NO ACTION``, the
+            default (``ForeignKeyViolation``): nothing of that batch is deleted, and the
+            same batch fails again at the next call while the row is there. Declare such
+            keys ``ON DELETE CASCADE`` or ``SET NULL``.
         psycopg.Error: the database refused a statement or could not be reached.
     """
     deleted = 0
@@ -79,7 +151,8 @@ def prune(conn: psycopg.Connection[Any], queries: Queries, *, retention: float,
         rows = conn.execute(queries.PRUNE, {"age": age, "states": states,
                                             "limit": limit}).fetchall()
         deleted += len(rows)
-    conn.execute(queries.PRUNE_CRON, {"age": max(retention, 86400.0)})
+    # cron history: never a slot still inside the longest grace window a schedule may have
+    conn.execute(queries.PRUNE_CRON, {"age": max(retention, GRACE_MAX)})
     return deleted
 
 
@@ -150,12 +223,54 @@ class Admin:
     def retry_discarded(self, ids: Sequence[int]) -> list[int]:
         """Put discarded jobs back in their queue with a fresh set of attempts.
 
-        Returns the ids that were discarded and are now available (others are ignored).
+        Args:
+            ids: job ids (ints); repeated ids count once.
+
+        Returns:
+            The ids that were discarded and are now available, in the order asked. The
+            others are left alone and logged (INFO, logger ``skipjack.admin``) with why: no
+            such job, not discarded, or its idempotency key now held by another job (which
+            keeps it). :meth:`retry_discarded_each` returns that answer per id.
+
+        Raises:
+            psycopg.Error: the database refused the statement or could not be reached.
         """
+        results = self.retry_discarded_each(ids)
+        for result in results:
+            if result.outcome != "retried":
+                log.info("retry_discarded: %s", result.describe())
+        return [r.id for r in results if r.outcome == "retried"]
+
+    def retry_discarded_each(self, ids: Sequence[int]) -> list[RetryResult]:
+        """:meth:`retry_discarded`, answering for each id what became of it.
+
+        Every job that can be retried is, in one transaction, whatever the others are: a job
+        whose key another job holds never makes the call fail (a holder that commits while
+        this runs makes it run its statement again, up to 5 times).
+
+        Args:
+            ids: job ids (ints); repeated ids count once.
+
+        Returns:
+            One :class:`RetryResult` per distinct id, in the order asked.
+
+        Raises:
+            psycopg.Error: the database refused the statement or could not be reached.
+        """
+        asked = list(dict.fromkeys(ids))
         with self.connect() as conn:
-            rows = conn.execute(self.queries.RETRY_DISCARDED, {"id": list(ids)}).fetchall()
-            notify(conn, self.queries, {r[1] for r in rows})
-        return [r[0] for r in rows]
+            for attempt in range(1, RETRY_ROUNDS + 1):
+                try:
+                    with conn.transaction():
+                        rows = conn.execute(self.queries.RETRY_DISCARDED,
+                                            {"id": asked}).fetchall()
+                        notify(conn, self.queries, {r[1] for r in rows if r[1] is not None})
+                    break
+                except psycopg.errors.UniqueViolation:
+                    if attempt == RETRY_ROUNDS:  # a new holder each time: give up
+                        raise
+        by_id = {row[0]: _retry_result(*row) for row in rows}
+        return [by_id[i] for i in asked]
 
     def discard(self, ids: Sequence[int]) -> list[int]:
         """Send waiting (scheduled or available) jobs to the dead letter; returns those moved.
@@ -264,6 +379,12 @@ class Admin:
         """Delete finished jobs older than ``retention`` seconds (discarded ones older than
         ``discarded_retention``, default ten times as long), batch by batch until none is
         left. Safe beside workers, bulk cancels and other pruners. Returns the rows deleted.
+        Cron history goes too, as in :func:`prune`.
+
+        Raises:
+            ValidationError: a retention that is not a number of seconds > 0.
+            psycopg.IntegrityError: a row of the application's references a job due for
+                pruning with ``ON DELETE RESTRICT`` or ``NO ACTION``: see :func:`prune`.
         """
         for name, value in (("retention", retention), ("discarded_retention",
                                                         discarded_retention)):

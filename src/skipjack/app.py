@@ -18,7 +18,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from . import enqueue as enqueuing
 from .admin import Admin
-from .cron import CronSchedule
+from .cron import GRACE_MAX, GRACE_MIN, CronSchedule
 from .db import Database
 from .errors import ValidationError
 from .jobs import (
@@ -40,7 +40,7 @@ from .jobs import (
     serialize_args,
     unique_states_mask,
 )
-from .migrate import check_schema, migrate
+from .migrate import LOCK_ATTEMPTS, LOCK_TIMEOUT, check_schema, migrate
 from .retry import Backoff
 
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -333,8 +333,9 @@ class App(Admin):
             ValidationError: bad expression, zone, args or a name already used.
         """
         schedule = CronSchedule(expr, tz)
-        if not 10 <= grace <= 86400 * 7:
-            raise ValidationError("grace", f"{grace} seconds is out of range 10..604800")
+        if not GRACE_MIN <= grace <= GRACE_MAX:
+            raise ValidationError("grace", f"{grace} seconds is out of range "
+                                           f"{GRACE_MIN:g}..{GRACE_MAX:g}")
 
         def register(task: Task) -> Task:
             if not isinstance(task, Task):
@@ -394,14 +395,29 @@ class App(Admin):
             self._apool = None
         self.close()
 
-    def migrate(self) -> list[int]:
-        """Create or upgrade the schema; safe when many processes do it at once.
+    def migrate(self, *, lock_timeout: float = LOCK_TIMEOUT,
+                attempts: int = LOCK_ATTEMPTS) -> list[int]:
+        """Create or upgrade the schema; safe when many processes do it at once, and while
+        workers run. An up-to-date schema is only read (no DDL, no lock beyond a read).
 
-        Returns the migration versions this call applied. Raises
-        :class:`SchemaVersionError` if the database is newer than this code.
+        Args:
+            lock_timeout: seconds, 0.001..600: the longest each lock wait lasts. While a
+                migration waits for a table lock, the queue's statements on that table wait
+                behind it, so keep this well under the workers' lease.
+            attempts: 1..100: tries when a lock wait timed out, with a backoff between.
+
+        Returns:
+            The migration versions this call applied.
+
+        Raises:
+            ValidationError: ``lock_timeout`` or ``attempts`` out of range.
+            SchemaVersionError: the database is newer than this code.
+            MigrationLockError: another session held a lock on a table of the schema through
+                every attempt (the message names it).
+            MigrationError: the database refused a migration's statement (nothing applied).
         """
         with self.connect() as conn:
-            return migrate(conn, self.schema)
+            return migrate(conn, self.schema, lock_timeout=lock_timeout, attempts=attempts)
 
     def check_schema(self) -> None:
         """Raise :class:`SchemaVersionError` unless the schema matches this code exactly."""

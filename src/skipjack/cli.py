@@ -17,8 +17,10 @@ from rich.table import Table
 
 from . import embedded
 from .app import App
+from .db import connection_lost
 from .errors import SkipjackError
 from .jobs import STATES
+from .migrate import LOCK_ATTEMPTS, LOCK_ATTEMPTS_MAX, LOCK_TIMEOUT
 
 
 def _app(ctx: click.Context) -> App:
@@ -134,10 +136,17 @@ def main(ctx: click.Context, dsn: str | None, schema: str | None, verbose: bool)
 
 
 @main.command()
+@click.option("--lock-timeout", default=f"{LOCK_TIMEOUT:g}s", show_default=True,
+              help="The longest each lock wait lasts (the queue's statements on a table "
+                   "wait behind it meanwhile).")
+@click.option("--attempts", default=LOCK_ATTEMPTS, show_default=True,
+              type=click.IntRange(1, LOCK_ATTEMPTS_MAX),
+              help="Tries when a lock wait timed out, with a backoff between.")
 @click.pass_context
-def migrate(ctx: click.Context) -> None:
-    """Create or upgrade the schema (safe to run from many processes at once)."""
-    applied = _app(ctx).migrate()
+def migrate(ctx: click.Context, lock_timeout: str, attempts: int) -> None:
+    """Create or upgrade the schema (safe to run from many processes at once, and while
+    workers run: it gives up a lock wait after --lock-timeout and tries again)."""
+    applied = _app(ctx).migrate(lock_timeout=parse_duration(lock_timeout), attempts=attempts)
     click.echo(f"applied migrations {applied}" if applied else "schema is up to date")
 
 
@@ -264,12 +273,14 @@ def jobs_show(ctx: click.Context, job_id: int) -> None:
 @click.argument("job_ids", type=int, nargs=-1, required=True)
 @click.pass_context
 def jobs_retry(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Re-enqueue discarded jobs with a fresh set of attempts."""
-    done = _app(ctx).retry_discarded(job_ids)
-    click.echo(f"re-enqueued {done}")
-    missing = sorted(set(job_ids) - set(done))
-    if missing:
-        raise click.ClickException(f"not discarded (left alone): {missing}")
+    """Re-enqueue discarded jobs with a fresh set of attempts. A job whose idempotency key
+    another job now holds is left alone (exit status 1 when any job is left alone, each
+    named with why)."""
+    results = _app(ctx).retry_discarded_each(job_ids)
+    click.echo(f"re-enqueued {[r.id for r in results if r.outcome == 'retried']}")
+    left = [r.describe() for r in results if r.outcome != "retried"]
+    if left:
+        raise click.ClickException("; ".join(left))
 
 
 @jobs.command("cancel")
@@ -415,6 +426,11 @@ def run() -> None:
         click.echo(f"error: {str(exc).strip()}: is the schema migrated? run `skipjack migrate`",
                    err=True)
         sys.exit(2)
-    except psycopg.OperationalError as exc:
-        click.echo(f"error: cannot reach the database: {str(exc).strip()}", err=True)
+    except psycopg.Error as exc:
+        if connection_lost(exc):
+            click.echo(f"error: cannot reach the database: {str(exc).strip()}", err=True)
+        else:  # e.g. a foreign key of the application's that refuses a prune
+            state = exc.sqlstate or "no SQLSTATE"
+            click.echo(f"error: the database refused a statement ({state}): "
+                       f"{str(exc).strip()}", err=True)
         sys.exit(2)

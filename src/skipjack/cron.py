@@ -47,6 +47,11 @@ _FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
     ("month", 1, 12, _MONTHS), ("day of week", 0, 7, _DAYS))
 MAX_MISSED_RECORDED = 10_000
 
+# The grace a schedule may have, in seconds (10 s to 7 days). The pruner keeps cron history
+# at least GRACE_MAX old, so no slot still inside its grace window loses its record.
+GRACE_MIN = 10.0
+GRACE_MAX = 7 * 86400.0
+
 
 def _value(token: str, names: dict[str, int]) -> int:
     if token.lower() in names:

@@ -26,6 +26,28 @@ class SchemaVersionError(SkipjackError):
     """The database schema is missing, older than this code, or newer than this code."""
 
 
+class MigrationError(SkipjackError):
+    """A migration could not be applied: the database refused one of its statements. Each
+    attempt runs in one transaction, which was rolled back: nothing of the failed call is
+    kept (migrations applied by earlier calls stay)."""
+
+
+class MigrationLockError(MigrationError):
+    """A migration could not take a lock it needs: on every attempt another session held a
+    lock on one of the schema's tables (a backup's ``pg_dump``, a long transaction) for longer
+    than the lock timeout, or the migration deadlocked with it. The migration gave up its
+    wait each time, so the queue kept running.
+
+    Attributes:
+        pids: the backend pids of the sessions seen holding locks on the schema's tables
+            after the last attempt, oldest transaction first (empty when none was seen).
+    """
+
+    def __init__(self, message: str, pids: list[int]) -> None:
+        self.pids = pids
+        super().__init__(message)
+
+
 class DuplicateJobError(SkipjackError):
     """An idempotency key is taken by a job this caller cannot see yet (another open
     transaction, or a snapshot older than the job's commit)."""

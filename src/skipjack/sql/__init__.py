@@ -146,6 +146,8 @@ class Queries:
     SCHEMA_VERSION = Statement(schema.SCHEMA_VERSION)
     SCHEMA_EXISTS = Statement(schema.SCHEMA_EXISTS)
     MIGRATION_LOCK = Statement(schema.MIGRATION_LOCK)
+    SET_LOCK_TIMEOUT = Statement(schema.SET_LOCK_TIMEOUT)
+    LOCK_HOLDERS = Statement(schema.LOCK_HOLDERS)
     CREATE_MIGRATIONS_TABLE = Statement(schema.CREATE_MIGRATIONS_TABLE)
     APPLIED_MIGRATIONS = Statement(schema.APPLIED_MIGRATIONS)
     RECORD_MIGRATION = Statement(schema.RECORD_MIGRATION)

@@ -92,16 +92,34 @@ ON CONFLICT (name) DO UPDATE
 LIST_QUEUES = """
 SELECT name, paused, concurrency_limit, rate_limit, rate_period FROM {schema}.queues ORDER BY 1
 """
-# Re-enqueue a discarded (dead-letter) job: a fresh set of attempts, runnable now.
-# (Not when another job now holds its idempotency key: that one wins.)
+# Re-enqueue discarded (dead-letter) jobs: a fresh set of attempts, runnable now. A job whose
+# idempotency key another job now holds is left alone (that one keeps the key). One row per
+# distinct id asked for, saying what became of it: its queue when retried, else its state as
+# read (NULL: no such job) and the job holding its key, if any. A holder inserted by a
+# transaction that commits while this runs makes the statement fail with a unique violation;
+# the caller runs it again, and then sees the holder.
 RETRY_DISCARDED = """
-UPDATE {schema}.jobs AS j
-   SET state = 'available', attempt = 0, run_at = now(), finished_at = NULL,
-       cancel_requested = false
- WHERE j.id = ANY(%(id)s::bigint[]) AND j.state = 'discarded'
-   AND (j.idempotency_key IS NULL OR NOT EXISTS (
-        SELECT 1 FROM {schema}.jobs AS o
-         WHERE o.idempotency_key = j.idempotency_key AND o.id <> j.id
-           AND (o.unique_states & {schema}.state_bit(o.state)) <> 0))
-RETURNING j.id, j.queue
+WITH asked AS (
+    SELECT DISTINCT a.id FROM unnest(%(id)s::bigint[]) AS a(id)
+), retried AS (
+    UPDATE {schema}.jobs AS j
+       SET state = 'available', attempt = 0, run_at = now(), finished_at = NULL,
+           cancel_requested = false
+      FROM asked
+     WHERE j.id = asked.id AND j.state = 'discarded'
+       AND (j.idempotency_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM {schema}.jobs AS o
+             WHERE o.idempotency_key = j.idempotency_key AND o.id <> j.id
+               AND (o.unique_states & {schema}.state_bit(o.state)) <> 0))
+    RETURNING j.id, j.queue
+)
+SELECT asked.id, r.queue, j.state, j.idempotency_key, h.id AS holder, h.state AS holder_state
+  FROM asked
+  LEFT JOIN retried AS r ON r.id = asked.id
+  LEFT JOIN {schema}.jobs AS j ON j.id = asked.id
+  LEFT JOIN LATERAL (
+       SELECT o.id, o.state FROM {schema}.jobs AS o
+        WHERE r.id IS NULL AND o.idempotency_key = j.idempotency_key AND o.id <> j.id
+          AND (o.unique_states & {schema}.state_bit(o.state)) <> 0
+        ORDER BY o.id LIMIT 1) AS h ON true
 """

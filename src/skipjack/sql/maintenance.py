@@ -77,8 +77,10 @@ DELETE FROM {schema}.jobs AS j USING old WHERE j.id = old.id
 RETURNING j.id
 """
 
-# Cron history older than `age` seconds, keeping each schedule's latest slot (where the
-# scheduler resumes from).
+# Cron history recorded more than `age` seconds ago (the caller passes at least the longest
+# grace a schedule may have, so no slot still inside its grace window goes), keeping each
+# schedule's latest slot, where the scheduler resumes from: slots before it are never
+# planned again, whether their record and their job are kept or not.
 PRUNE_CRON = """
 DELETE FROM {schema}.cron_slots AS c
  WHERE c.recorded_at < now() - make_interval(secs => %(age)s)

@@ -20,6 +20,28 @@ SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = %(schema)s AND tablena
 # Transaction-scoped: released at commit or rollback, safe through a transaction pooler.
 MIGRATION_LOCK = "SELECT pg_advisory_xact_lock(%(key)s)"
 
+# The longest a migration's transaction waits for each lock it takes (milliseconds, as text):
+# set after it holds the advisory lock, so that a wait for a table lock gives up instead of
+# queueing the queue's own statements behind its request for long.
+SET_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, true)"
+
+# The sessions holding locks on the schema's tables, oldest transaction first: who a
+# migration's lock request waited for.
+LOCK_HOLDERS = """
+SELECT l.pid, a.application_name, a.state, a.xact_start, a.query_start,
+       string_agg(DISTINCT l.mode || ' on ' || c.relname, ', ') AS locks
+  FROM pg_locks AS l
+  JOIN pg_class AS c ON c.oid = l.relation
+  JOIN pg_namespace AS n ON n.oid = c.relnamespace
+  LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+ WHERE l.locktype = 'relation' AND l.granted AND n.nspname = %(schema)s
+   AND c.relkind IN ('r', 'p') AND l.pid <> pg_backend_pid()
+   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ GROUP BY l.pid, a.application_name, a.state, a.xact_start, a.query_start
+ ORDER BY a.xact_start NULLS LAST, l.pid
+ LIMIT %(limit)s
+"""
+
 CREATE_MIGRATIONS_TABLE = """
 CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE TABLE IF NOT EXISTS {schema}.migrations (
