@@ -188,9 +188,10 @@ class ClaimModeRunners:
                                  outcome: Outcome) -> list[Any]:
         """Record the failed attempt of a handler that ended the claim's transaction itself.
         After a COMMIT the claim is visible: the fenced outcome applies as in lease mode.
-        After a ROLLBACK the claim is undone: the attempt is counted on the available job
-        (unless another worker has claimed it since), so that such a handler cannot run
-        forever without using attempts."""
+        After a ROLLBACK the claim is undone: the attempt is counted on the available job,
+        so that such a handler cannot run forever without using attempts; if the job was
+        claimed again meanwhile (the ROLLBACK made it available at once), only its error is
+        added to the job."""
         q = self._db.queries
         log.error("job %s: %s", job.id, ENDED)
         rows = conn.execute(q.RECORD_OUTCOMES, outcome_params([outcome])).fetchall()
@@ -198,4 +199,8 @@ class ClaimModeRunners:
             rows = conn.execute(q.COUNT_UNDONE_ATTEMPT, {
                 "id": job.id, "attempt": job.attempt, "delay": outcome.delay,
                 "error": outcome.error}).fetchall()
+        if not rows:  # claimed again since the ROLLBACK: the error is still shown on the job
+            log.warning("job %s was claimed again before its failed attempt could be counted",
+                        job.id)
+            conn.execute(q.NOTE_ERROR, {"id": job.id, "error": outcome.error})
         return [(job.id, state) for _, state in rows]

@@ -66,6 +66,7 @@ class Completer:
         self._leases = leases
         self._stats = stats
         self._pending: list[Outcome] = []
+        self._refused: dict[tuple[int, int], tuple[int, str]] = {}  # refusals, the last one
         self._writing = False
         self._ready = asyncio.Event()
         self._flushed = asyncio.Event()
@@ -126,8 +127,8 @@ class Completer:
                             conn = None
                             await asyncio.sleep(backoff.next())
                             continue
-                        if kept:  # a lock or statement timeout: try those again shortly
-                            await asyncio.sleep(backoff.next())
+                        if kept:  # the others are written: try those again shortly
+                            await asyncio.sleep(RETRY_REFUSED)
                     finally:
                         self._writing = False
                     done = {o.id for o in batch}
@@ -143,14 +144,16 @@ class Completer:
     async def _one_by_one(self, conn: psycopg.AsyncConnection[Any], batch: list[Outcome]
                           ) -> tuple[dict[int, str], list[Outcome], list[Outcome]]:
         """Write each outcome of a refused batch alone, so that one the database refuses
-        holds back no other. A refused outcome is written again without its result and with
-        its delay capped at an hour, its error kept and a note added (:func:`_safe`); refused
-        again, the job goes to the dead letter with only the note. An outcome refused by a
-        lock or statement timeout is kept for the next batch instead.
+        holds back no other. A refused outcome is kept for the next rounds: written as it is
+        up to :data:`TRIES_AS_IS` times (the refusal may pass), then without its result and
+        with its delay capped at an hour, its error kept and a note of the refusal added
+        (:func:`_safe`), then as a discard with only the note; refused still, it is given up
+        (its lease expires and the rescuer returns the job). A lock or statement timeout
+        does not count as a refusal.
 
         Returns:
-            (job id -> new state for the rows written, the outcomes written or given up on,
-            the outcomes kept for later).
+            (job id -> new state for the rows written, the outcomes written, the outcomes
+            kept for a later round). An outcome given up is taken from the pending ones here.
 
         Raises:
             psycopg.Error: the connection was lost.
@@ -160,27 +163,31 @@ class Completer:
         kept: list[Outcome] = []
         q = self._db.queries
         for o in batch:
-            refusal = ""
-            for step in range(3):
-                form = o if step == 0 else _safe(o, refusal, discard=step == 2)
-                try:
-                    cur = await conn.execute(q.RECORD_OUTCOMES, outcome_params([form]))
-                    applied.update(dict(await cur.fetchall()))
-                    settled.append(form)
-                    break
-                except psycopg.Error as exc:
-                    if connection_lost(exc):
-                        raise
-                    if isinstance(exc, _TRANSIENT):
-                        kept.append(o)
-                        break
-                    refusal = str(exc).strip()
-                    log.error("job %s: its %s was refused by the database: %s", o.id, o.kind,
-                              refusal)
-            else:
+            key = (o.id, o.lease_version)
+            refused, refusal = self._refused.get(key, (0, ""))
+            if refused >= TRIES_AS_IS + 2:
                 log.error("job %s: no form of its outcome was taken; its lease will expire and "
                           "the rescuer will return it", o.id)
-                settled.append(o)
+                self._refused.pop(key, None)
+                self._leases.remove(o.id, o.lease_version)
+                self._pending.remove(o)
+                continue
+            form = o if refused < TRIES_AS_IS else _safe(o, refusal,
+                                                         discard=refused > TRIES_AS_IS)
+            try:
+                cur = await conn.execute(q.RECORD_OUTCOMES, outcome_params([form]))
+                applied.update(dict(await cur.fetchall()))
+                self._refused.pop(key, None)
+                settled.append(form)
+            except psycopg.Error as exc:
+                if connection_lost(exc):
+                    raise
+                if not isinstance(exc, _TRANSIENT):
+                    refusal = str(exc).strip()
+                    self._refused[key] = (refused + 1, refusal)
+                    log.error("job %s: its %s was refused by the database: %s", o.id, o.kind,
+                              refusal)
+                kept.append(o)
         return applied, settled, kept
 
     def count(self, o: Outcome, state: str | None) -> None:
@@ -209,6 +216,11 @@ _TRANSIENT = (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable,
               psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
 
 SAFE_DELAY_MAX = 3600.0
+
+# A refused outcome is written as it is this many times, RETRY_REFUSED seconds apart, before
+# skipjack stores it in a form the database should take (see Completer._one_by_one).
+TRIES_AS_IS = 3
+RETRY_REFUSED = 0.1
 
 
 def _safe(o: Outcome, refusal: str, *, discard: bool) -> Outcome:

@@ -104,6 +104,7 @@ class Queries:
     CLAIM_CANDIDATES_OLDEST = Statement(claim.CLAIM_CANDIDATES_OLDEST)
     CLAIM_BY_ID = Statement(claim.CLAIM_BY_ID)
     COUNT_UNDONE_ATTEMPT = Statement(claim.COUNT_UNDONE_ATTEMPT)
+    NOTE_ERROR = Statement(claim.NOTE_ERROR)
 
     # outcomes and lease renewal (fenced)
     RECORD_OUTCOMES = Statement(outcomes.RECORD_OUTCOMES)

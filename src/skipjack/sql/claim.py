@@ -169,6 +169,13 @@ UPDATE {schema}.jobs AS j
 RETURNING j.id, j.state
 """
 
+# The same job claimed again before that count: its error is added for people to see.
+NOTE_ERROR = """
+UPDATE {schema}.jobs
+   SET errors = errors || jsonb_build_array(%(error)s::jsonb || jsonb_build_object('at', now()))
+ WHERE id = %(id)s
+"""
+
 # Args too large to come with the claim, read while the claim is still current.
 LOAD_ARGS = """
 SELECT args FROM {schema}.jobs WHERE id = %(id)s AND lease_version = %(lease_version)s
