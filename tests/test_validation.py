@@ -241,7 +241,7 @@ def test_args_must_fit_the_handlers_signature(app: App) -> None:
     def send(to: str, subject: str = "", *, cc: str = "") -> None: ...
 
     with pytest.raises(ValidationError, match=r"args: task 'send': unexpected argument 'too'; "
-                       r"missing argument 'to' \(the handler takes cc, subject, to\)"):
+                       r"missing argument 'to' \(the handler takes to, subject, cc\)"):
         send.job(too="a@example.com")
     with pytest.raises(ValidationError, match="missing argument 'to'"):
         app.enqueue_many([send.job(to="x"), send.job(subject="no recipient")])

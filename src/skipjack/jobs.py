@@ -86,6 +86,7 @@ class HandlerArguments:
     names: frozenset[str]
     required: frozenset[str]
     any_keyword: bool
+    order: tuple[str, ...] = ()  # the names in the signature's order, for messages
 
     @classmethod
     def of(cls, fn: Callable[..., object]) -> HandlerArguments | None:
@@ -94,11 +95,13 @@ class HandlerArguments:
             params = inspect.signature(fn).parameters.values()
         except (TypeError, ValueError):
             return None
-        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        order = tuple(p.name for p in params
+                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        names = set(order)
         required = {p.name for p in params if p.default is p.empty
                     and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
         any_keyword = any(p.kind == p.VAR_KEYWORD for p in params)
-        return cls(frozenset(names), frozenset(required), any_keyword)
+        return cls(frozenset(names), frozenset(required), any_keyword, order)
 
     def mismatch(self, args: Mapping[str, object]) -> str | None:
         """Why ``args`` cannot be passed as keyword arguments, or None when they can."""
@@ -109,7 +112,7 @@ class HandlerArguments:
         missing = sorted(self.required - keys)
         problems = [f"unexpected argument {n!r}" for n in unexpected]
         problems += [f"missing argument {n!r}" for n in missing]
-        takes = ", ".join(sorted(self.names)) or "no arguments"
+        takes = ", ".join(self.order or sorted(self.names)) or "no arguments"
         return f"{'; '.join(problems)} (the handler takes {takes})"
 
 

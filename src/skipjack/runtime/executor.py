@@ -23,6 +23,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,6 +43,8 @@ from .heartbeat import Leases
 from .slots import Running, Slots
 
 log = logging.getLogger("skipjack.worker")
+
+UNKNOWN_WARN_EVERY = 60.0  # seconds between warnings about one unknown task
 
 
 class Executor:
@@ -80,6 +83,7 @@ class Executor:
         self._concurrency = concurrency
         self._on_slot_freed = on_slot_freed
         self._unknown_task_grace = unknown_task_grace
+        self._unknown_warned: dict[str, float] = {}  # task name -> when it was last logged
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="skipjack-job")
         self._large_args = asyncio.Semaphore(large_args_concurrency)
         self.pool: ConnectionPool[psycopg.Connection[Any]] | None = None
@@ -199,8 +203,7 @@ class Executor:
         outcome: Outcome | None
         try:
             if task is None:
-                log.warning("job %s: unknown task %r (not registered in this worker's app); "
-                            "released for a worker that knows it", job.id, job.task)
+                self._warn_unknown(job)
                 raise LookupError(job.task)  # decide() says what becomes of the job
             if job.args is not None:
                 result = await self._call(running, task, job.args)
@@ -231,6 +234,15 @@ class Executor:
             self._leases.remove(job.id, job.lease_version)
         else:
             self._completer.submit(outcome)
+
+    def _warn_unknown(self, job: Job) -> None:
+        """Log a job of a task this worker does not know: at most once a minute per task."""
+        now = time.monotonic()
+        if now - self._unknown_warned.get(job.task, -UNKNOWN_WARN_EVERY) >= UNKNOWN_WARN_EVERY:
+            self._unknown_warned[job.task] = now
+            log.warning("job %s: unknown task %r (not registered in this worker's app); "
+                        "released for a worker that knows it (said at most once a minute "
+                        "per task)", job.id, job.task)
 
     async def _call(self, running: Running, task: Task, args: dict[str, Any]) -> Any:
         """Run the handler within the task's timeout (see :meth:`_call_now`).
