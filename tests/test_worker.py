@@ -290,6 +290,54 @@ def test_fc35_a_job_the_claim_fails_on_holds_up_no_other(tasks: App, tmp_path: P
     assert (tasks.get_job(poison) or {})["attempt"] == 1
 
 
+def _trigger(app: App, job_id: int, state: str) -> None:
+    """Make every update of ``job_id`` to ``state`` fail (a trigger of the application's)."""
+    query(app.dsn, """
+        CREATE FUNCTION {schema}.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.id = %s AND NEW.state = '%t' THEN
+                RAISE EXCEPTION 'job % may not become %t', NEW.id;
+            END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER refuse BEFORE UPDATE ON {schema}.jobs
+            FOR EACH ROW EXECUTE FUNCTION {schema}.refuse();
+    """.replace("%s", str(job_id)).replace("%t", state), schema=app.schema)
+
+
+def test_fc35_a_claim_mode_job_the_claim_fails_on_holds_up_no_other(
+        tasks: App, tmp_path: Path) -> None:
+    ids = enqueue(tasks, "held_effect", 6)
+    _trigger(tasks, ids[0], "running")
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 5,
+                                                               "available": 1},
+                   timeout=60, what="every claim-mode job but the poisoned one done")
+        query(tasks.dsn, "DROP TRIGGER refuse ON {schema}.jobs", schema=tasks.schema)
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 6}, timeout=90,
+                   what="the poisoned job run once the fault is gone")
+
+
+def test_a_claim_mode_job_whose_transaction_cannot_commit_uses_its_attempts(
+        tasks: App, tmp_path: Path) -> None:
+    """The database refuses a claim-mode job's outcome (here a trigger; a deferred constraint
+    does the same at commit): its transaction rolls back, claim and all, so the failed
+    attempt is counted on its own; the job ends in the dead letter with the real error
+    instead of running forever, and the other jobs run."""
+    ids = enqueue(tasks, "held_effect", 6)
+    query(tasks.dsn, "UPDATE {schema}.jobs SET max_attempts = 2 WHERE id = %s", [ids[0]],
+          schema=tasks.schema)
+    _trigger(tasks, ids[0], "succeeded")
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 5,
+                                                               "discarded": 1},
+                   timeout=60, what="the others done, the refused one in the dead letter")
+    job = tasks.get_job(ids[0]) or {}
+    assert job["attempt"] == 2 and len(job["errors"]) == 2
+    assert "may not become succeeded" in job["errors"][-1]["error"]
+    assert exec_counts(tasks.dsn, tasks.schema)[ids[0]] == 2
+
+
 def test_fc22_sigterm_during_claims_strands_no_job(tasks: App, tmp_path: Path) -> None:
     """SIGTERM lands while claims are in flight (32 slots, a deep queue of 1 ms jobs, the
     signal sent at a different point of each of 8 runs): after every exit no job is running,

@@ -285,6 +285,10 @@ class App(Admin):
             ValidationError: bad option, or the name is taken by another function.
         """
 
+        if backoff is not None and not isinstance(backoff, Backoff):
+            raise ValidationError("backoff", f"must be a skipjack.Backoff, got "
+                                  f"{type(backoff).__name__}")
+
         def register(f: Callable[..., Any]) -> Task:
             if transaction == "claim" and inspect.iscoroutinefunction(f):
                 raise ValidationError("transaction", "'claim' runs sync handlers only; use "

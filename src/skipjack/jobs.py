@@ -92,7 +92,8 @@ class HandlerArguments:
     def of(cls, fn: Callable[..., object]) -> HandlerArguments | None:
         """What ``fn`` takes, or None when its signature cannot be read (a builtin)."""
         try:
-            params = inspect.signature(fn).parameters.values()
+            # the wrapper's own signature (a decorator may add or take arguments)
+            params = inspect.signature(fn, follow_wrapped=False).parameters.values()
         except (TypeError, ValueError):
             return None
         order = tuple(p.name for p in params

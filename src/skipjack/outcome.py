@@ -6,6 +6,7 @@ cancellation into an outcome (every execution mode uses it).
 from __future__ import annotations
 
 import json
+import logging
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from .db import connection_lost
 from .errors import Discard, Snooze
 from .jobs import ERROR_MAX_CHARS, dump_result, safe_str, scrub_text
 from .retry import Backoff
+
+log = logging.getLogger("skipjack.worker")
 
 # What the outcome statement does with a job (see skipjack.sql.outcomes.RECORD_OUTCOMES):
 # complete -> succeeded; retry -> runnable after the delay, or discarded when its attempts
@@ -81,6 +84,22 @@ def decide(job: Job, task: Task | None, *, result: object = None,
            error: BaseException | None = None,
            cancelled: tuple[CancelCause, str] | None = None,
            unknown_task_grace: float = UNKNOWN_TASK_GRACE) -> Outcome | None:
+    """The outcome of one attempt (see :func:`_decide`); never raises: if deciding itself
+    fails (a task's policy that raises), the attempt is retried with :data:`DEFAULT_BACKOFF`
+    and that failure as its error, so no job is left running unrecorded."""
+    try:
+        return _decide(job, task, result=result, error=error, cancelled=cancelled,
+                       unknown_task_grace=unknown_task_grace)
+    except Exception as failure:
+        log.exception("job %s: deciding its outcome failed", job.id)
+        return Outcome(job.id, job.lease_version, job.queue, "retry",
+                       delay=DEFAULT_BACKOFF.delay(max(1, min(job.attempt, 64))),
+                       error=error_json(job, failure))
+
+
+def _decide(job: Job, task: Task | None, *, result: object, error: BaseException | None,
+            cancelled: tuple[CancelCause, str] | None,
+            unknown_task_grace: float) -> Outcome | None:
     """The outcome of one attempt.
 
     Args:

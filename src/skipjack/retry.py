@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from .errors import ValidationError
 
-# The longest retry delay, in seconds: a year, as for Snooze.
+# The longest retry delay, in seconds: a year, as for Snooze; the shortest base, a millisecond.
 MAX_RETRY_DELAY = 31_557_600.0
+MIN_RETRY_BASE = 0.001
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,15 @@ class Backoff:
     """Retry delay policy.
 
     Args:
-        base: seconds; the delay ceiling after attempt 1 is ``2 * base``. 0 < base <= cap.
+        base: seconds; the delay ceiling after attempt 1 is ``2 * base``. 0.001 <= base <= cap.
         cap: seconds; no delay exceeds it. base <= cap <= 31,557,600 (one year, as for
             :class:`~skipjack.Snooze`).
         jitter: when False, the delay is the ceiling itself (deterministic; use only for tests
             and benchmarks, it brings back retry storms).
 
     Raises:
-        ValidationError: base <= 0, cap < base, cap over one year, or either not a number.
+        ValidationError: base under a millisecond, cap < base, cap over one year, either not
+            a number, or jitter not a bool.
     """
 
     base: float = 1.0
@@ -50,8 +52,11 @@ class Backoff:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValidationError(f"backoff.{name}", f"must be seconds (a number), got "
                                       f"{type(value).__name__}")
-        if not (math.isfinite(self.base) and self.base > 0):
-            raise ValidationError("backoff.base", f"must be a finite number > 0, got {self.base!r}")
+        if not (math.isfinite(self.base) and self.base >= MIN_RETRY_BASE):
+            raise ValidationError("backoff.base", f"must be a finite number of seconds >= "
+                                  f"{MIN_RETRY_BASE}, got {self.base!r}")
+        if not isinstance(self.jitter, bool):
+            raise ValidationError("backoff.jitter", f"must be a bool, got {self.jitter!r}")
         if not (math.isfinite(self.cap) and self.cap >= self.base):
             raise ValidationError(
                 "backoff.cap", f"must be finite and >= base ({self.base}), got {self.cap!r}"

@@ -24,18 +24,32 @@ from psycopg.pq import TransactionStatus
 
 from ..app import Task
 from ..context import Job, JobContext, set_current
-from ..db import Database
+from ..db import Database, connection_lost
 from ..errors import ArgumentsError, HandlerTransactionError
 from ..outcome import DEFAULT_BACKOFF, Outcome, decide, outcome_params
+from ..sql.arrays import number_array
 from .completer import Completer, WorkerStats
 from .executor import ENDED, Executor, check_handler_transaction
 from .heartbeat import Leases
+from .skips import SkipList
 from .slots import Slots
 
 log = logging.getLogger("skipjack.worker")
 
 # (queue, most jobs, claim-mode claim?) -> the claim statement's bind values
 ClaimParams = Callable[[str, int, bool], dict[str, Any]]
+
+
+class _Skipped(Exception):
+    """A claim-mode claim failed on one job, now skipped: claim again."""
+
+
+class _Ended(Exception):
+    """The handler ended the claim's transaction itself; ``outcome`` is its attempt's."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__()
+        self.outcome = outcome
 
 
 class ClaimModeRunners:
@@ -76,6 +90,7 @@ class ClaimModeRunners:
         self.due = dict.fromkeys(queues, True)  # queues that may have claim-mode jobs
         self.runners: set[asyncio.Task[None]] = set()
         self.task_names: list[str] = []
+        self._skipped = SkipList()  # used from the handler threads, one claim at a time each
         self._idle_timeout_ms = 0
 
     def prepare(self) -> None:
@@ -111,6 +126,8 @@ class ClaimModeRunners:
                 try:
                     outcome, state = await self._executor.in_thread(
                         functools.partial(self._once, queue, grow))
+                except _Skipped:
+                    continue  # claim again, without that job
                 except psycopg.Error as exc:  # the transaction rolled back: the job is free
                     log.warning("claim-mode claim on %s failed: %s", queue, str(exc).strip())
                     try:
@@ -132,32 +149,111 @@ class ClaimModeRunners:
               on_claimed: Callable[[str], None]) -> tuple[Outcome | None, str | None]:
         """In a handler thread: claim one job in a transaction, run it, record the outcome in
         the same transaction, commit. Returns (outcome, new state), or (None, None) when the
-        queue had no job."""
+        queue had no job.
+
+        A claim statement the database refuses skips its job for a while (see
+        :mod:`skipjack.runtime.skips`) and raises :class:`_Skipped`. A transaction that
+        fails after its handler ran (its outcome or its commit refused: a deferred
+        constraint, a trigger) is rolled back, claim and all: the failed attempt is then
+        counted on its own, so the job cannot run again and again without using attempts.
+
+        Raises:
+            psycopg.Error: the connection was lost, or a failure not of one job.
+        """
         q, pool = self._db.queries, self._executor.pool
         assert pool is not None
-        with pool.connection() as conn, conn.transaction():
-            conn.execute(q.SET_IDLE_TIMEOUT, {"ms": self._idle_timeout_ms})
-            row = conn.execute(q.CLAIM_IN_TRANSACTION,
-                               self._claim_params(queue, 1, True)).fetchone()
-            if row is None:
-                return None, None
-            on_claimed(queue)
-            job = Job(*row)
-            task = self._tasks[job.task]
-            set_current(JobContext(job, conn=conn))
-            # renewed by the heartbeat only if the handler ends the transaction itself (the
-            # claim is then visible, and must not be rescued while the handler still runs)
-            self._leases.add(job.id, job.lease_version, job.lease, in_transaction=lambda: (
-                conn.info.transaction_status != TransactionStatus.IDLE))
-            try:
+        claimed: list[tuple[Job, Task]] = []
+        try:
+            with pool.connection() as conn, conn.transaction():
+                conn.execute(q.SET_IDLE_TIMEOUT, {"ms": self._idle_timeout_ms})
+                params = self._claim_params(queue, 1, True)
+                if self._skipped:
+                    params["skip"] = number_array(self._skipped.ids())
+                row = conn.execute(q.CLAIM_IN_TRANSACTION, params).fetchone()
+                if row is None:
+                    return None, None
+                on_claimed(queue)
+                job = Job(*row)
+                task = self._tasks[job.task]
+                claimed.append((job, task))
+                self._skipped.claimed(job.id)
+                set_current(JobContext(job, conn=conn))
+                # renewed by the heartbeat only if the handler ends the transaction itself
+                # (the claim is then visible, and must not be rescued while the handler runs)
+                self._leases.add(job.id, job.lease_version, job.lease, in_transaction=lambda: (
+                    conn.info.transaction_status != TransactionStatus.IDLE))
+                try:
+                    outcome, rows = self._run_and_record(conn, job, task)
+                finally:
+                    self._leases.remove(job.id, job.lease_version)
+            return outcome, rows[0][1] if rows else None
+        except psycopg.Error as exc:
+            if connection_lost(exc):
+                raise
+            if claimed:
+                return self._count_failed_commit(*claimed[0], exc)
+            self._skip_first_candidate(queue, exc)
+            raise _Skipped() from exc
+
+    def _run_and_record(self, conn: psycopg.Connection[Any], job: Job,
+                        task: Task) -> tuple[Outcome, list[Any]]:
+        """Run the handler and write its outcome in a savepoint of the claim's transaction.
+        An outcome the database refuses rolls back to that savepoint (the handler's writes
+        with it); the attempt's failure is then written instead, with the refusal as its
+        error, the claim kept, so the job runs no second time meanwhile."""
+        q = self._db.queries
+        try:
+            with conn.transaction():
                 outcome = self._handle(conn, job, task)
-                if conn.info.transaction_status != TransactionStatus.IDLE:
-                    rows = conn.execute(q.RECORD_OUTCOMES, outcome_params([outcome])).fetchall()
-                else:
-                    rows = self._after_ended_transaction(conn, job, outcome)
-            finally:
-                self._leases.remove(job.id, job.lease_version)
+                if conn.info.transaction_status == TransactionStatus.IDLE:
+                    raise _Ended(outcome)  # no savepoint is left to release
+                return outcome, conn.execute(q.RECORD_OUTCOMES,
+                                             outcome_params([outcome])).fetchall()
+        except _Ended as ended:
+            return ended.outcome, self._after_ended_transaction(conn, job, ended.outcome)
+        except psycopg.Error as exc:
+            if connection_lost(exc) or conn.info.transaction_status == TransactionStatus.IDLE:
+                raise
+            log.error("job %s: its outcome was refused by the database: %s", job.id,
+                      str(exc).strip())
+            failed = decide(job, task, error=exc)
+            assert failed is not None
+            return failed, conn.execute(q.RECORD_OUTCOMES, outcome_params([failed])).fetchall()
+
+    def _count_failed_commit(self, job: Job, task: Task,
+                             exc: psycopg.Error) -> tuple[Outcome | None, str | None]:
+        """The claim's transaction failed after the handler ran and rolled back: count the
+        failed attempt, with the database's error, on the job it made available again."""
+        outcome = decide(job, task, error=exc)
+        assert outcome is not None
+        log.error("job %s: its transaction could not commit: %s", job.id, str(exc).strip())
+        pool = self._executor.pool
+        assert pool is not None
+        try:
+            with pool.connection() as conn:
+                rows = conn.execute(self._db.queries.COUNT_UNDONE_ATTEMPT, {
+                    "id": job.id, "attempt": job.attempt, "delay": outcome.delay,
+                    "error": outcome.error}).fetchall()
+        except psycopg.Error as refused:
+            if connection_lost(refused):
+                raise
+            self._skipped.add(job.id, str(refused).strip())  # nothing of it can be written
+            return outcome, None
         return outcome, rows[0][1] if rows else None
+
+    def _skip_first_candidate(self, queue: str, exc: psycopg.Error) -> None:
+        """The claim of one job (the first candidate) was refused: skip that job."""
+        pool = self._executor.pool
+        assert pool is not None
+        params = self._claim_params(queue, 1, True)
+        params["skip"] = number_array(self._skipped.ids())
+        row = None
+        with pool.connection() as conn, conn.transaction():
+            row = conn.execute(self._db.queries.CLAIM_CANDIDATES, params).fetchone()
+            raise psycopg.Rollback()  # only looked
+        if row is None:
+            raise exc  # not a job's fault
+        self._skipped.add(row[0], str(exc).strip())
 
     def _handle(self, conn: psycopg.Connection[Any], job: Job, task: Task) -> Outcome:
         """Run the handler in a savepoint of the claim's transaction; its outcome."""

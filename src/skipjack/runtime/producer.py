@@ -33,14 +33,11 @@ from ..sql.arrays import number_array
 from .claim_mode import ClaimModeRunners, ClaimParams
 from .completer import Completer
 from .executor import Executor
+from .skips import SkipList
 from .slots import Slots
 
 log = logging.getLogger("skipjack.worker")
 
-# A job whose claim fails (FC-35 in tests/CASES.md) is skipped by this worker for SKIP_FIRST
-# seconds, then for twice as long each time it fails again, at most SKIP_MAX.
-SKIP_FIRST = 1.0
-SKIP_MAX = 60.0
 
 
 class Producer:
@@ -79,8 +76,7 @@ class Producer:
         self.due = dict.fromkeys(self._queues, True)  # queues that may have jobs for us
         self._claims = dict.fromkeys(self._queues, 0)  # claims that took jobs, per queue
         self._limited: set[str] = set()
-        # job id -> (monotonic time until which it is skipped, the last skip's seconds)
-        self._skipped: dict[int, tuple[float, float]] = {}
+        self._skipped = SkipList()
         self._oldest = False  # whether the last claim was oldest-first
 
     def mark_due(self, queue: str) -> None:
@@ -178,22 +174,16 @@ class Producer:
         """Bind values of a lease-mode claim, skipping the jobs whose claim failed lately."""
         params = self._claim_params(queue, want, False)
         if self._skipped:
-            now = asyncio.get_running_loop().time()
-            for job_id, (until, delay) in list(self._skipped.items()):
-                if 0.0 < until <= now:
-                    log.info("job %s: trying to claim it again", job_id)
-                    self._skipped[job_id] = (0.0, delay)  # its delay kept, to double it
-            params["skip"] = number_array([i for i, (until, _) in self._skipped.items()
-                                           if until > now])
+            params["skip"] = number_array(self._skipped.ids())
         return params
 
     async def _skip_failing(self, conn: psycopg.AsyncConnection[Any], queue: str, want: int,
                             exc: psycopg.Error) -> bool:
         """After a claim statement the database refused: find the jobs the claim fails on
         (each tried alone, in a transaction rolled back afterwards) and skip them for a
-        while (:data:`SKIP_FIRST`, doubling to :data:`SKIP_MAX` seconds while they fail), so
-        the rest of the queue runs. Returns whether any was found; if not, the failure is not
-        a job's and the caller backs off as after a lost connection."""
+        while (see :mod:`skipjack.runtime.skips`), so the rest of the queue runs. Returns
+        whether any was found; if not, the failure is not a job's and the caller backs off
+        as after a lost connection."""
         q = self._db.queries
         params = self._params(queue, want)
         failing: list[tuple[int, str]] = []
@@ -213,12 +203,8 @@ class Producer:
                 raise psycopg.Rollback(dry_run)
         except psycopg.Error:
             return False
-        now = asyncio.get_running_loop().time()
         for job_id, error in failing:
-            delay = min(SKIP_MAX, 2 * self._skipped.get(job_id, (0.0, SKIP_FIRST / 2))[1])
-            self._skipped[job_id] = (now + delay, delay)
-            log.error("job %s: claiming it fails (%s); skipping it for %.0fs", job_id, error,
-                      delay)
+            self._skipped.add(job_id, error)
         if not failing:
             log.warning("claim on %s refused (%s), but by no job of it alone", queue,
                         str(exc).strip())
@@ -245,5 +231,5 @@ class Producer:
             self._claims[queue] += 1
             if self._skipped:
                 for row in rows:  # a job skipped before was claimed: the fault has gone
-                    self._skipped.pop(row[0], None)
+                    self._skipped.claimed(row[0])
         return rows
