@@ -250,6 +250,10 @@ def _misbehave(conn: Any, how: str) -> None:
     if how in ("COMMIT", "ROLLBACK"):
         conn.execute(how)
         return
+    if how in ("COMMIT_BEGIN", "ROLLBACK_BEGIN"):  # and carry on in a transaction of its own
+        conn.execute(how.split("_")[0])
+        conn.execute("BEGIN")
+        return
     try:
         conn.execute("SELECT 1 / 0")
     except psycopg.Error:

@@ -29,7 +29,7 @@ from ..errors import ArgumentsError, HandlerTransactionError
 from ..outcome import DEFAULT_BACKOFF, Outcome, decide, outcome_params
 from ..sql.arrays import number_array
 from .completer import Completer, WorkerStats
-from .executor import ENDED, Executor, check_handler_transaction
+from .executor import ENDED, Executor, check_handler_transaction, transaction_now
 from .heartbeat import Leases
 from .skips import SkipList
 from .slots import Slots
@@ -178,10 +178,9 @@ class ClaimModeRunners:
                 claimed.append((job, task))
                 self._skipped.claimed(job.id)
                 set_current(JobContext(job, conn=conn))
-                # renewed by the heartbeat only if the handler ends the transaction itself
-                # (the claim is then visible, and must not be rescued while the handler runs)
-                self._leases.add(job.id, job.lease_version, job.lease, in_transaction=lambda: (
-                    conn.info.transaction_status != TransactionStatus.IDLE))
+                # renewed by the heartbeat once the claim is visible (its handler committed it
+                # itself), so that it is not rescued while the handler still runs
+                self._leases.add(job.id, job.lease_version, job.lease, uncommitted=True)
                 try:
                     outcome, rows = self._run_and_record(conn, job, task)
                 finally:
@@ -269,7 +268,16 @@ class ClaimModeRunners:
                 raise ArgumentsError(problem)
             with conn.transaction():  # a savepoint: a failed handler's writes roll back
                 result = task.fn(**args)
-                check_handler_transaction(conn)  # raising here rolls back to the savepoint
+                # raising here rolls back to the savepoint; the claim's now() is attempted_at
+                try:
+                    check_handler_transaction(conn, job.attempted_at,
+                                              transaction_now(conn, self._db.queries.DB_NOW))
+                except HandlerTransactionError as ended:
+                    if (str(ended).startswith(ENDED)
+                            and conn.info.transaction_status == TransactionStatus.INTRANS):
+                        # one the handler began after ending the claim's: not ours to keep
+                        conn.execute(self._db.queries.END_HANDLER_TRANSACTION)
+                    raise
             outcome = decide(job, task, result=result)
         except Exception as exc:  # Snooze included
             if (conn.info.transaction_status == TransactionStatus.IDLE

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -272,13 +273,14 @@ class Executor:
                 assert self._apool is not None
                 async with self._apool.connection() as aconn:
                     return await run_complete_async(aconn, q.RECORD_OUTCOMES, ctx, fn, args,
-                                                    finishing)
+                                                    finishing, q.DB_NOW)
             pool = self.pool
             assert pool is not None
 
             def complete() -> bool:
                 with pool.connection() as conn:
-                    return run_complete(conn, q.RECORD_OUTCOMES, ctx, fn, args, finishing)
+                    return run_complete(conn, q.RECORD_OUTCOMES, ctx, fn, args, finishing,
+                                        q.DB_NOW)
 
             return await self.in_thread(complete)
         if running.is_async:
@@ -345,20 +347,44 @@ ABORTED = ("a statement of the handler failed and it went on, so the job's trans
            "statement in a savepoint (with conn.transaction(): ...)")
 
 
-def check_handler_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
-                              ) -> None:
+def check_handler_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+                              started: datetime | None = None,
+                              now: datetime | None = None) -> None:
     """After a handler returned: raise if it ended or aborted the transaction it was given.
 
+    Args:
+        conn: the connection of the job's transaction.
+        started, now: that transaction's ``now()`` when the job started and after the
+            handler returned; they differ when the handler ended it and began another
+            (COMMIT then BEGIN).
+
     Raises:
-        HandlerTransactionError: ``conn`` is no longer in a transaction (the handler sent
+        HandlerTransactionError: ``conn`` is no longer in that transaction (the handler sent
             COMMIT or ROLLBACK), or its transaction is aborted (a failed statement the
             handler went on from).
     """
     status = conn.info.transaction_status
-    if status == TransactionStatus.IDLE:
-        raise HandlerTransactionError(ENDED)
     if status == TransactionStatus.INERROR:
         raise HandlerTransactionError(ABORTED)
+    if status == TransactionStatus.IDLE or (started is not None and now != started):
+        raise HandlerTransactionError(ENDED)
+
+
+def transaction_now(conn: psycopg.Connection[Any], q: bytes) -> datetime | None:
+    """``now()`` of ``conn``'s transaction, or None when it is not in a healthy one."""
+    if conn.info.transaction_status != TransactionStatus.INTRANS:
+        return None
+    row = conn.execute(q).fetchone()
+    return row[0] if row else None
+
+
+async def transaction_now_async(conn: psycopg.AsyncConnection[Any],
+                                 q: bytes) -> datetime | None:
+    """:func:`transaction_now` on an async connection."""
+    if conn.info.transaction_status != TransactionStatus.INTRANS:
+        return None
+    row = await (await conn.execute(q)).fetchone()
+    return row[0] if row else None
 
 
 def _completion(ctx: JobContext, result: Any) -> dict[str, str]:
@@ -369,9 +395,10 @@ def _completion(ctx: JobContext, result: Any) -> dict[str, str]:
 
 def run_complete(conn: psycopg.Connection[Any], record: bytes, ctx: JobContext,
                  fn: Callable[..., Any], args: dict[str, Any],
-                 finishing: Callable[[], None]) -> bool:
+                 finishing: Callable[[], None], now_query: bytes) -> bool:
     """Run a sync handler and its fenced completion (the statement ``record``) in one
-    transaction on ``conn``.
+    transaction on ``conn``; ``now_query`` reads the transaction's ``now()`` before and after
+    the handler, to tell a transaction it ended and began again.
 
     ``finishing`` is called once the handler returned, before the completion is written
     (the heartbeat then stops treating a vanished lease as lost).
@@ -385,12 +412,13 @@ def run_complete(conn: psycopg.Connection[Any], record: bytes, ctx: JobContext,
     """
     applied = False
     with conn.transaction():
+        started = transaction_now(conn, now_query)
         ctx.conn = conn
         try:
             result = fn(**args)
         finally:
             ctx.conn = None
-        check_handler_transaction(conn)
+        check_handler_transaction(conn, started, transaction_now(conn, now_query))
         finishing()
         applied = bool(conn.execute(record, _completion(ctx, result)).fetchall())
         if not applied:
@@ -400,16 +428,17 @@ def run_complete(conn: psycopg.Connection[Any], record: bytes, ctx: JobContext,
 
 async def run_complete_async(conn: psycopg.AsyncConnection[Any], record: bytes,
                              ctx: JobContext, fn: Callable[..., Any], args: dict[str, Any],
-                             finishing: Callable[[], None]) -> bool:
+                             finishing: Callable[[], None], now_query: bytes) -> bool:
     """:func:`run_complete` for an async handler on an async connection."""
     applied = False
     async with conn.transaction():
+        started = await transaction_now_async(conn, now_query)
         ctx.conn = conn
         try:
             result = await fn(**args)
         finally:
             ctx.conn = None
-        check_handler_transaction(conn)
+        check_handler_transaction(conn, started, await transaction_now_async(conn, now_query))
         finishing()
         cur = await conn.execute(record, _completion(ctx, result))
         applied = bool(await cur.fetchall())

@@ -30,10 +30,10 @@ class Lease:
     lease: float  # seconds
     renewed_at: float  # time.monotonic() of the last confirmed renewal (or of the claim)
     finishing: bool = False  # the handler ended; its outcome is waiting to be written
-    # A claim-mode job: whether its claim's transaction is still open (nothing to renew: no
-    # other session sees the claim). Once its handler ended that transaction itself, the
-    # claim is visible and its lease is renewed like any other.
-    in_transaction: Callable[[], bool] | None = None
+    # A claim-mode job, claimed in a transaction still open: the heartbeat does not see the
+    # claim (nothing to renew, nothing lost) until its handler commits it itself; it is then
+    # renewed like any other.
+    uncommitted: bool = False
 
 
 @dataclass
@@ -44,11 +44,12 @@ class Leases:
     by_id: dict[int, Lease] = field(default_factory=dict)
 
     def add(self, job_id: int, lease_version: int, lease: float,
-            in_transaction: Callable[[], bool] | None = None) -> None:
-        """Hold a claimed job (its lease of ``lease`` seconds starts now)."""
+            uncommitted: bool = False) -> None:
+        """Hold a claimed job (its lease of ``lease`` seconds starts now); ``uncommitted``
+        for a claim-mode job (see :class:`Lease`)."""
         with self.lock:
             self.by_id[job_id] = Lease(job_id, lease_version, lease, time.monotonic(),
-                                       in_transaction=in_transaction)
+                                       uncommitted=uncommitted)
 
     def finishing(self, job_id: int, lease_version: int) -> None:
         with self.lock:
@@ -65,7 +66,7 @@ class Leases:
     def snapshot(self) -> list[Lease]:
         with self.lock:
             return [Lease(x.id, x.lease_version, x.lease, x.renewed_at, x.finishing,
-                          x.in_transaction) for x in self.by_id.values()]
+                          x.uncommitted) for x in self.by_id.values()]
 
     def __len__(self) -> int:
         with self.lock:
@@ -135,15 +136,7 @@ class HeartbeatThread(threading.Thread):
 
     def _beat(self) -> None:
         started = time.monotonic()
-        held = []
-        for x in self._leases.snapshot():
-            if x.in_transaction is not None and x.in_transaction():
-                with self._leases.lock:  # invisible to others: nothing can take it
-                    current = self._leases.by_id.get(x.id)
-                    if current is not None and current.lease_version == x.lease_version:
-                        current.renewed_at = started
-            else:
-                held.append(x)
+        held = self._leases.snapshot()
         if not held:
             return
         if self._conn is None or self._conn.closed:
@@ -168,6 +161,8 @@ class HeartbeatThread(threading.Thread):
                     current.renewed_at = started
                     if still_held[x.id] and (x.id, x.lease_version) not in self._cancelled:
                         cancel.append(x)
+                elif current.uncommitted:
+                    current.renewed_at = started  # not visible yet: nobody else can take it
                 elif not current.finishing:
                     del self._leases.by_id[x.id]
                     lost.append(x)

@@ -105,6 +105,7 @@ class Queries:
     CLAIM_BY_ID = Statement(claim.CLAIM_BY_ID)
     COUNT_UNDONE_ATTEMPT = Statement(claim.COUNT_UNDONE_ATTEMPT)
     NOTE_ERROR = Statement(claim.NOTE_ERROR)
+    END_HANDLER_TRANSACTION = Statement(claim.END_HANDLER_TRANSACTION)
 
     # outcomes and lease renewal (fenced)
     RECORD_OUTCOMES = Statement(outcomes.RECORD_OUTCOMES)

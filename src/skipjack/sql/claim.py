@@ -176,6 +176,10 @@ UPDATE {schema}.jobs
  WHERE id = %(id)s
 """
 
+# A transaction a claim-mode handler began itself after it ended the claim's (COMMIT then
+# BEGIN): rolled back, its writes with it.
+END_HANDLER_TRANSACTION = "ROLLBACK"
+
 # Args too large to come with the claim, read while the claim is still current.
 LOAD_ARGS = """
 SELECT args FROM {schema}.jobs WHERE id = %(id)s AND lease_version = %(lease_version)s
