@@ -199,7 +199,8 @@ class App(Admin):
             raise ValidationError(
                 "schema", f"{schema!r} must match [a-z_][a-z0-9_]* and be at most 63 bytes"
             )
-        if not 1 <= max_args_bytes <= 255 * 1024 * 1024:
+        if isinstance(max_args_bytes, bool) or not isinstance(max_args_bytes, int) \
+                or not 1 <= max_args_bytes <= 255 * 1024 * 1024:
             raise ValidationError("max_args_bytes", "must be 1..267,386,880 bytes (255 MiB)")
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) \
                 or not 1 <= pool_size <= 1000:
@@ -337,7 +338,8 @@ class App(Admin):
             ValidationError: bad expression, zone, args or a name already used.
         """
         schedule = CronSchedule(expr, tz)
-        if not GRACE_MIN <= grace <= GRACE_MAX:
+        if isinstance(grace, bool) or not isinstance(grace, int | float) \
+                or not GRACE_MIN <= grace <= GRACE_MAX:
             raise ValidationError("grace", f"{grace} seconds is out of range "
                                            f"{GRACE_MIN:g}..{GRACE_MAX:g}")
 

@@ -79,7 +79,8 @@ class Snooze(SkipjackError):
     """
 
     def __init__(self, seconds: float) -> None:
-        if not (isinstance(seconds, int | float) and 0 <= seconds <= 31_557_600):
+        if isinstance(seconds, bool) or not (isinstance(seconds, int | float)
+                                             and 0 <= seconds <= 31_557_600):
             raise ValidationError("seconds", f"{seconds!r} is not in 0..31557600")
         self.seconds = float(seconds)
         super().__init__(f"snoozed for {self.seconds}s")

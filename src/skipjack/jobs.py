@@ -107,8 +107,13 @@ class HandlerArguments:
     def mismatch(self, args: Mapping[str, object]) -> str | None:
         """Why ``args`` cannot be passed as keyword arguments, or None when they can."""
         keys = args.keys()
-        if (self.any_keyword or keys <= self.names) and self.required <= keys:
+        if (self.any_keyword or keys <= self.names) and self.required <= keys \
+                and self.required <= self.names:
             return None  # the common case, without building a set
+        positional = sorted(self.required - self.names)
+        if positional:  # args come as keywords: these can never be given
+            return (f"the handler's parameters {', '.join(positional)} are positional-only: "
+                    "a job's args are passed as keyword arguments")
         unexpected = sorted(keys - self.names) if not self.any_keyword else []
         missing = sorted(self.required - keys)
         problems = [f"unexpected argument {n!r}" for n in unexpected]

@@ -99,3 +99,13 @@ def test_a_key_freed_meanwhile_is_inserted_anew_and_one_never_seen_is_refused() 
     list(plan.inserts())
     with pytest.raises(DuplicateJobError, match="'k0'"):
         drive(plan, [], [[], []] * planner.KEY_ROUNDS)
+
+
+def test_positional_only_parameters_can_never_be_given() -> None:
+    from skipjack.jobs import HandlerArguments
+
+    def handler(a: int, /, **kw: object) -> None: ...
+
+    spec = HandlerArguments.of(handler)
+    assert spec is not None
+    assert "positional-only" in (spec.mismatch({"a": 1}) or "")

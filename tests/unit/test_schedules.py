@@ -74,3 +74,4 @@ def test_reconnect_delays_double_to_the_cap_and_reset_after_a_success() -> None:
     assert centres == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
     delay.reset()
     assert delay.peek() == 0.1
+

@@ -34,7 +34,7 @@ from typing import Any
 from ..app import App
 from ..db import safe_dsn
 from ..errors import ConfigError
-from ..jobs import LEASE_MAX, QUEUE_MAX_BYTES, check_name
+from ..jobs import LEASE_MAX, LEASE_MIN, QUEUE_MAX_BYTES, check_name
 from ..outcome import UNKNOWN_TASK_GRACE, Outcome
 from ..sql.claim import claim_params
 from . import eventloop
@@ -55,6 +55,9 @@ PRODUCER_STOP_TIMEOUT = 15.0
 
 DAY = 86_400.0
 YEAR = 365.25 * DAY
+# The shortest poll, rescue, stage and listener health interval (seconds): shorter ones only
+# spin (a 1 ns poll interval kept a core busy).
+MIN_INTERVAL = 0.01
 
 
 @dataclass
@@ -92,8 +95,9 @@ class Worker:
             released back to their queue, their attempt not counted.
 
     The intervals (``poll_interval``, ``rescue_interval``, ``stage_interval``,
-    ``listen_health_interval``) must be > 0 and at most a day, ``shutdown_grace`` 0 to a day,
-    ``unknown_task_grace`` at most 7 days, the retentions at most 10 years.
+    ``listen_health_interval``) must be 0.01 s to a day, ``lease`` 0.1 s to 7 days,
+    ``shutdown_grace`` 0 to a day, ``unknown_task_grace`` at most 7 days, the retentions at
+    most 10 years; every setting of a count must be an int.
         name: the worker's name stored on claimed rows (default host:pid:random). Only for
             people: recovery never depends on it.
         inline_args_bytes: args larger than this (serialised bytes) are not fetched by the
@@ -138,6 +142,27 @@ class Worker:
             raise ConfigError("queues: give a non-empty list of queue names")
         self.queues = tuple(check_name("queue", q, QUEUE_MAX_BYTES)
                             for q in dict.fromkeys(self.queues))
+        for name in ("concurrency", "prefetch", "batch_size", "fairness_every",
+                     "inline_args_bytes", "large_args_concurrency"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{name}: must be an int, got {value!r}")
+        for name in ("lease", "heartbeat", "poll_interval", "rescue_interval", "stage_interval",
+                     "listen_health_interval", "shutdown_grace", "retention",
+                     "discarded_retention", "unknown_task_grace"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, int | float)):
+                raise ConfigError(f"{name}: must be seconds (a number), got {value!r}")
+        if self.fairness_every < 0:
+            raise ConfigError(f"fairness_every: {self.fairness_every} must be >= 0 (0: never)")
+        if not 1 <= self.large_args_concurrency <= 10_000:
+            raise ConfigError(f"large_args_concurrency: {self.large_args_concurrency} is out "
+                              "of range 1..10000")
+        if self.inline_args_bytes < 0:
+            raise ConfigError(f"inline_args_bytes: {self.inline_args_bytes} must be >= 0")
+        if "\x00" in self.name or not self.name.isprintable():
+            raise ConfigError("name: must be printable text without NUL")
         if not 1 <= self.concurrency <= 10_000:
             raise ConfigError(f"concurrency: {self.concurrency} is out of range 1..10000")
         if self.prefetch is None:
@@ -148,8 +173,9 @@ class Worker:
             raise ConfigError(f"prefetch: {self.prefetch} is out of range 0..10000")
         if not 1 <= self.batch_size <= 10_000:
             raise ConfigError(f"batch_size: {self.batch_size} is out of range 1..10000")
-        if not 0 < self.lease <= LEASE_MAX:
-            raise ConfigError(f"lease: {self.lease} seconds is out of range 0..{LEASE_MAX:.0f}")
+        if not LEASE_MIN <= self.lease <= LEASE_MAX:
+            raise ConfigError(f"lease: {self.lease} seconds is out of range "
+                              f"{LEASE_MIN}..{LEASE_MAX:.0f}")
         if self.heartbeat is None:
             self.heartbeat = min(self.lease / 6, 10.0)
         if not 0 < self.heartbeat < self.lease / 2:
@@ -159,18 +185,22 @@ class Worker:
             )
         if self.rescue_interval is None:
             self.rescue_interval = min(self.lease / 2, 15.0)
-        for name, low, high in (("poll_interval", 0, DAY), ("rescue_interval", 0, DAY),
-                                ("listen_health_interval", 0, DAY), ("stage_interval", 0, DAY),
+        for name, low, high in (("poll_interval", MIN_INTERVAL, DAY),
+                                ("rescue_interval", MIN_INTERVAL, DAY),
+                                ("listen_health_interval", MIN_INTERVAL, DAY),
+                                ("stage_interval", MIN_INTERVAL, DAY),
                                 ("unknown_task_grace", 0, 7 * DAY),
                                 ("shutdown_grace", None, DAY), ("retention", 0, 10 * YEAR),
                                 ("discarded_retention", 0, 10 * YEAR)):
             value = getattr(self, name)
             if value is None and name.endswith("retention"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                    (value > low if low is not None else value >= 0) and value <= high):
-                raise ConfigError(f"{name}: {value!r} is out of range: seconds, "
-                                  f"{'>= 0' if low is None else '> 0'} and <= {high:,.0f}")
+            # low None: at least 0; 0: more than 0; else at least low
+            above = value >= 0 if low is None else value > 0 if low == 0 else value >= low
+            if not (above and value <= high):
+                least = ">= 0" if low is None else "> 0" if low == 0 else f">= {low}"
+                raise ConfigError(f"{name}: {value!r} is out of range: seconds, {least} and "
+                                  f"<= {high:,.0f}")
         self.name = self.name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         db = self.app.db
         self._loop: asyncio.AbstractEventLoop | None = None
