@@ -20,6 +20,7 @@ import pytest
 from skipjack import App, DuplicateJobError
 from skipjack.admin import RetryResult
 from skipjack.runtime.maintenance import Maintenance, rescue, schedule_due, stage
+from skipjack.runtime.skips import SkipList
 from test_claim_fencing import claim, claim_params, expire
 
 from support import (
@@ -595,3 +596,45 @@ def test_fc38_pruning_keeps_each_schedules_latest_slot_and_copes_with_foreign_ke
             f"error: the database refused a statement ({code}): " for code in refused))
         assert states(app.dsn, app.schema) == {"succeeded": 1}
         query(app.dsn, f"DROP TABLE {{schema}}.{table}", schema=app.schema)
+
+
+def test_fc35_one_job_the_stager_or_the_rescuer_fails_on_holds_up_no_other(app: App) -> None:
+    """A trigger of the application's refuses every move of one job: the stager stages the
+    other due jobs and the rescuer rescues the other expired ones, skipping that one (the
+    maintenance thread's skip lists), and both take it again once the trigger is gone."""
+    t = app.task(name="t", queue="q")(lambda: None)
+    delayed = [t.configure(delay=0.05).enqueue() for _ in range(5)]
+    query(app.dsn, """
+        CREATE FUNCTION {schema}.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.id = %s AND NEW.state <> OLD.state THEN
+                RAISE EXCEPTION 'job % may not move', NEW.id;
+            END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER refuse BEFORE UPDATE ON {schema}.jobs
+            FOR EACH ROW EXECUTE FUNCTION {schema}.refuse();
+    """.replace("%s", str(delayed[0])), schema=app.schema)
+    staging, rescuing = SkipList(), SkipList()
+    with app.connect() as conn:
+        wait_until(lambda: stage(conn, app.queries, app.schema, skipped=staging) == {"q": 4},
+                   timeout=10, what="the four other delayed jobs staged")
+        assert staging.ids() == [delayed[0]]
+        running = claim(app, "q", 10)
+        assert len(running) == 4
+        for row in running:
+            expire(app, row[0])
+        query(app.dsn, "CREATE OR REPLACE FUNCTION {schema}.refuse() RETURNS trigger "
+                       "LANGUAGE plpgsql AS $$ BEGIN IF NEW.id = %s AND OLD.state = 'running' "
+                       "THEN RAISE EXCEPTION 'no'; END IF; RETURN NEW; END $$"
+              .replace("%s", str(running[0][0])), schema=app.schema)
+        rescued = rescue(conn, app.queries, skipped=rescuing)
+        assert sorted(r[0] for r in rescued) == sorted(r[0] for r in running[1:])
+        assert rescuing.ids() == [running[0][0]]
+        query(app.dsn, "DROP TRIGGER refuse ON {schema}.jobs", schema=app.schema)
+        wait_until(lambda: stage(conn, app.queries, app.schema, skipped=staging) == {"q": 1},
+                   timeout=10, what="the refused job staged once the fault is gone")
+        wait_until(lambda: rescue(conn, app.queries, skipped=rescuing), timeout=10,
+                   what="the refused job rescued once the fault is gone")
+    assert states(app.dsn, app.schema) == {"available": 5}
+

@@ -32,6 +32,8 @@ from ..app import App
 from ..cron import plan
 from ..db import Database, ReconnectDelay, channel_name, connection_lost
 from ..sql import Queries
+from ..sql.arrays import number_array
+from .skips import SkipList
 
 log = logging.getLogger("skipjack.maintenance")
 
@@ -41,28 +43,50 @@ NOTIFY_CHECK_INTERVAL = 5.0
 NOTIFY_WARN_EVERY = 60.0
 
 
-def rescue(conn: psycopg.Connection[Any], queries: Queries,
-           limit: int = BATCH) -> list[tuple[int, str]]:
+def rescue(conn: psycopg.Connection[Any], queries: Queries, limit: int = BATCH,
+           skipped: SkipList | None = None) -> list[tuple[int, str]]:
     """Rescue up to ``limit`` jobs whose lease expired.
 
     Step 1 reads the candidates and their fencing tokens; step 2 moves each one only if it is
     still running under that token with an expired lease (a completion or re-claim that
     landed in between is never overwritten).
 
+    With ``skipped`` (the maintenance thread's), a batch the database refuses is rescued job
+    by job, and the jobs it fails on are skipped for a while (see
+    :mod:`skipjack.runtime.skips`), so that one job a trigger refuses holds up no other.
+
     Returns:
         (job id, new state) for each job moved: ``available``, or ``discarded`` when that was
         its last attempt.
 
     Raises:
-        psycopg.Error: the database could not be reached; nothing was changed.
+        psycopg.Error: the database could not be reached, or refused the batch (without
+            ``skipped``); nothing was changed.
     """
     candidates = conn.execute(queries.RESCUE_CANDIDATES, {"limit": limit}).fetchall()
+    if skipped:
+        skip = set(skipped.ids())
+        candidates = [c for c in candidates if c[0] not in skip]
     if not candidates:
         return []
-    rows = conn.execute(
-        queries.RESCUE,
-        {"id": [c[0] for c in candidates], "lease_version": [c[1] for c in candidates]},
-    ).fetchall()
+    try:
+        rows = conn.execute(
+            queries.RESCUE,
+            {"id": [c[0] for c in candidates], "lease_version": [c[1] for c in candidates]},
+        ).fetchall()
+    except psycopg.Error as exc:
+        if skipped is None or connection_lost(exc):
+            raise
+        rows = []
+        for job_id, lease_version in candidates:
+            try:
+                rows += conn.execute(queries.RESCUE, {"id": [job_id],
+                                                      "lease_version": [lease_version]}
+                                     ).fetchall()
+            except psycopg.Error as one:
+                if connection_lost(one):
+                    raise
+                skipped.add(job_id, str(one).strip(), "rescuing it")
     for job_id, state, _ in rows:
         log.warning("rescued job %s (lease expired) -> %s", job_id, state)
     notify(conn, queries, {queue for _, state, queue in rows if state == "available"})
@@ -70,20 +94,52 @@ def rescue(conn: psycopg.Connection[Any], queries: Queries,
 
 
 def stage(conn: psycopg.Connection[Any], queries: Queries, schema: str,
-          limit: int = BATCH) -> dict[str, int]:
+          limit: int = BATCH, skipped: SkipList | None = None) -> dict[str, int]:
     """Make up to ``limit`` due scheduled jobs available and wake their queues (unless
     PostgreSQL's notification queue is too full for wake-ups: see migration 3).
 
     Returns:
         {queue: jobs staged}.
 
+    With ``skipped`` (the maintenance thread's), a staging the database refuses is tried job
+    by job in a transaction rolled back afterwards; the jobs it fails on are skipped for a
+    while (see :mod:`skipjack.runtime.skips`) and the rest are staged.
+
     Raises:
-        psycopg.Error: the database could not be reached or refused the statement; nothing
-            was staged.
+        psycopg.Error: the database could not be reached or refused the statement (without
+            ``skipped``, or for no one job); nothing was staged.
     """
-    rows = conn.execute(queries.STAGE, {"limit": limit,
-                                        "channel": channel_name(schema)}).fetchall()
+    params = {"limit": limit, "channel": channel_name(schema),
+              "skip": number_array(skipped.ids() if skipped else [])}
+    try:
+        rows = conn.execute(queries.STAGE, params).fetchall()
+    except psycopg.Error as exc:
+        if skipped is None or connection_lost(exc) or not _skip_unstageable(
+                conn, queries, params, skipped):
+            raise
+        params["skip"] = number_array(skipped.ids())
+        rows = conn.execute(queries.STAGE, params).fetchall()
     return {r[0]: r[1] for r in rows}
+
+
+def _skip_unstageable(conn: psycopg.Connection[Any], queries: Queries,
+                      params: dict[str, Any], skipped: SkipList) -> bool:
+    """Find the due jobs that staging fails on (each staged alone, all rolled back) and skip
+    them; whether there was any."""
+    failing: list[tuple[int, str]] = []
+    with conn.transaction() as dry_run:
+        for (job_id,) in conn.execute(queries.STAGE_CANDIDATES, params).fetchall():
+            try:
+                with conn.transaction():
+                    conn.execute(queries.STAGE_ONE, {"id": job_id})
+            except psycopg.Error as one:
+                if connection_lost(one):
+                    raise
+                failing.append((job_id, str(one).strip()))
+        raise psycopg.Rollback(dry_run)
+    for job_id, error in failing:
+        skipped.add(job_id, error, "staging it")
+    return bool(failing)
 
 
 def schedule_due(app: App, conn: psycopg.Connection[Any], now: datetime | None = None) -> int:
@@ -125,10 +181,10 @@ def schedule_due(app: App, conn: psycopg.Connection[Any], now: datetime | None =
 
 
 def _stage_and_wake(conn: psycopg.Connection[Any], db: Database,
-                    on_staged: Callable[[str], None]) -> None:
+                    on_staged: Callable[[str], None], skipped: SkipList) -> None:
     """Stage batch after batch (at most 50 per run) while full batches come back."""
     for _ in range(50):
-        staged = stage(conn, db.queries, db.schema)
+        staged = stage(conn, db.queries, db.schema, skipped=skipped)
         for queue in staged:
             on_staged(queue)
         if sum(staged.values()) < BATCH:
@@ -249,10 +305,13 @@ class Maintenance(threading.Thread):
         self._db = db
         self._stop_event = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
+        self._stage_skips = SkipList()  # jobs that staging, or rescuing, fails on
+        self._rescue_skips = SkipList()
         q = db.queries
         self._duties = [
-            Duty("stager", stage_interval, lambda c: _stage_and_wake(c, db, on_staged)),
-            Duty("rescuer", rescue_interval, lambda c: rescue(c, q)),
+            Duty("stager", stage_interval,
+                 lambda c: _stage_and_wake(c, db, on_staged, self._stage_skips)),
+            Duty("rescuer", rescue_interval, lambda c: rescue(c, q, skipped=self._rescue_skips)),
             Duty("notification queue watch", NOTIFY_CHECK_INTERVAL,
                  NotifyQueueWatch(q, poll_interval=poll_interval)),
         ]

@@ -1,6 +1,6 @@
-"""Jobs a worker leaves alone for a while because claiming them fails (FC-35 in
-``tests/CASES.md``): a trigger of the application's that raises for one job, a value that
-would overflow. Skipping them lets the rest of the queue run; each is tried again after
+"""Jobs a worker leaves alone for a while because claiming, staging or rescuing them fails
+(FC-35 in ``tests/CASES.md``): a trigger of the application's that raises for one job, a value
+that would overflow. Skipping them lets the rest of the queue run; each is tried again after
 :data:`SKIP_FIRST` seconds, then twice as long each time it fails, at most :data:`SKIP_MAX`.
 """
 
@@ -33,15 +33,16 @@ class SkipList:
             if until > now:
                 current.append(job_id)
             elif until:
-                log.info("job %s: trying to claim it again", job_id)
+                log.info("job %s: trying again", job_id)
                 self._skipped[job_id] = (0.0, delay)  # its delay kept, to double it
         return current
 
-    def add(self, job_id: int, error: str) -> None:
-        """Claiming ``job_id`` failed with ``error``: skip it, for longer each time."""
+    def add(self, job_id: int, error: str, what: str = "claiming it") -> None:
+        """``what`` (claiming, staging, rescuing the job) failed on ``job_id`` with
+        ``error``: skip it, for longer each time."""
         delay = min(SKIP_MAX, 2 * self._skipped.get(job_id, (0.0, SKIP_FIRST / 2))[1])
         self._skipped[job_id] = (time.monotonic() + delay, delay)
-        log.error("job %s: claiming it fails (%s); skipping it for %.0fs", job_id, error, delay)
+        log.error("job %s: %s fails (%s); skipping it for %.0fs", job_id, what, error, delay)
 
     def claimed(self, job_id: int) -> None:
         """``job_id`` was claimed: whatever made its claim fail has gone."""

@@ -113,6 +113,8 @@ class Queries:
 
     # maintenance: stager, rescuer, pruner, the notification queue's watch
     STAGE = Statement(maintenance.STAGE)
+    STAGE_CANDIDATES = Statement(maintenance.STAGE_CANDIDATES)
+    STAGE_ONE = Statement(maintenance.STAGE_ONE)
     RESCUE_CANDIDATES = Statement(maintenance.RESCUE_CANDIDATES)
     RESCUE = Statement(maintenance.RESCUE)
     PRUNE = Statement(maintenance.PRUNE)

@@ -12,7 +12,7 @@ from __future__ import annotations
 STAGE = """
 WITH due AS (
     SELECT id FROM {schema}.jobs
-     WHERE state = 'scheduled' AND run_at <= now()
+     WHERE state = 'scheduled' AND run_at <= now() AND id <> ALL(%(skip)s::bigint[])
      ORDER BY run_at
      LIMIT %(limit)s
        FOR NO KEY UPDATE SKIP LOCKED
@@ -26,6 +26,21 @@ SELECT s.queue, s.jobs,
        CASE WHEN room.ok THEN pg_notify(%(channel)s, s.queue) IS NOT NULL ELSE false END
            AS notified
   FROM (SELECT queue, count(*) AS jobs FROM staged GROUP BY queue) AS s CROSS JOIN room
+"""
+
+# After STAGE was refused because of some job (a trigger of the application's): the jobs it
+# would stage (in a transaction rolled back afterwards), each then staged alone in a
+# savepoint to find those it fails on. skip (ids) is usually empty.
+STAGE_CANDIDATES = """
+SELECT id FROM {schema}.jobs
+ WHERE state = 'scheduled' AND run_at <= now() AND id <> ALL(%(skip)s::bigint[])
+ ORDER BY run_at
+ LIMIT %(limit)s
+   FOR NO KEY UPDATE SKIP LOCKED
+"""
+
+STAGE_ONE = """
+UPDATE {schema}.jobs SET state = 'available' WHERE id = %(id)s AND state = 'scheduled'
 """
 
 # Step 1: candidates whose lease expired, with the fencing token seen now.
