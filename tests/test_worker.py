@@ -268,17 +268,7 @@ def test_fc35_a_job_the_claim_fails_on_holds_up_no_other(tasks: App, tmp_path: P
     up and backs off on that job (no spinning), and runs it once the fault is gone."""
     ids = enqueue(tasks, "sleep", 200)
     poison = ids[0]  # the first in claim order: in the first batch, and in every later one
-    query(tasks.dsn, """
-        CREATE FUNCTION {schema}.poison() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            IF NEW.id = %s AND NEW.state = 'running' THEN
-                RAISE EXCEPTION 'job % may not run', NEW.id;
-            END IF;
-            RETURN NEW;
-        END $$;
-        CREATE TRIGGER poison BEFORE UPDATE ON {schema}.jobs
-            FOR EACH ROW EXECUTE FUNCTION {schema}.poison();
-    """.replace("%s", str(poison)), schema=tasks.schema)
+    _trigger(tasks, poison, "running")
     w = WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--batch-size", "50", *FAST,
                       log=tmp_path / "w.log")
     with w:
@@ -288,7 +278,7 @@ def test_fc35_a_job_the_claim_fails_on_holds_up_no_other(tasks: App, tmp_path: P
         assert w.proc.poll() is None
         tries = w.log().count(f"job {poison}: claiming it fails")
         assert 1 <= tries <= 8, tries  # skipped, backing off: 1 s, 2 s, 4 s ...
-        query(tasks.dsn, "DROP TRIGGER poison ON {schema}.jobs", schema=tasks.schema)
+        query(tasks.dsn, "DROP TRIGGER refuse ON {schema}.jobs", schema=tasks.schema)
         wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 200},
                    timeout=90, what="the poisoned job run once the fault is gone")
     assert (tasks.get_job(poison) or {})["attempt"] == 1
