@@ -39,6 +39,7 @@ from ..db import Database
 from ..errors import ArgumentsError, HandlerTransactionError, Snooze
 from ..jobs import dump_result
 from ..outcome import UNKNOWN_TASK_GRACE, Outcome, decide, outcome_params
+from ..sql.claim import LIFT_IDLE_TIMEOUT
 from .completer import Completer, WorkerStats
 from .heartbeat import Leases
 from .slots import Running, Slots
@@ -325,19 +326,15 @@ class Executor:
         return args
 
 
-# A handler's transaction is idle while the handler computes or calls other services: the
-# handlers' connections lift any idle_in_transaction_session_timeout of the role or database,
-# which would otherwise end every attempt that runs longer (a transaction="claim" one sets
-# its own, its lease, per transaction).
-NO_IDLE_TIMEOUT = "SET idle_in_transaction_session_timeout = 0"
-
-
 def _no_idle_timeout(conn: psycopg.Connection[Any]) -> None:
-    conn.execute(NO_IDLE_TIMEOUT)
+    """A new connection of the handlers' pool lifts the role's idle transaction timeout
+    (see ``LIFT_IDLE_TIMEOUT`` in :mod:`skipjack.sql.claim`)."""
+    conn.execute(LIFT_IDLE_TIMEOUT)
 
 
 async def _no_idle_timeout_async(conn: psycopg.AsyncConnection[Any]) -> None:
-    await conn.execute(NO_IDLE_TIMEOUT)
+    """:func:`_no_idle_timeout` for the async pool."""
+    await conn.execute(LIFT_IDLE_TIMEOUT)
 
 
 ENDED = ("the handler ended the job's transaction itself (a COMMIT or ROLLBACK on "

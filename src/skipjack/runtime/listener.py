@@ -40,7 +40,7 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
                 while True:
                     async for note in conn.notifies(timeout=health_interval):
                         on_queue(note.payload)
-                    await conn.execute("SELECT 1")  # detects a dead connection
+                    await conn.execute(db.queries.PING)  # detects a dead connection
         except psycopg.Error as exc:
             delay = backoff.next()
             log.warning("listener: %s (reconnecting in %.1fs)", str(exc).strip(), delay)

@@ -156,3 +156,4 @@ class Queries:
     APPLIED_MIGRATIONS = Statement(schema.APPLIED_MIGRATIONS)
     RECORD_MIGRATION = Statement(schema.RECORD_MIGRATION)
     PROBE_NOTIFY = Statement(schema.PROBE_NOTIFY)
+    PING = Statement(schema.PING)

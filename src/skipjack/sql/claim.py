@@ -147,6 +147,12 @@ LIMITED_QUEUES = """
 SELECT name FROM {schema}.queues WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL
 """
 
+# A handler's transaction is idle while the handler computes or calls other services: the
+# handlers' connections lift any idle_in_transaction_session_timeout of the role or database,
+# which would otherwise end every attempt that runs longer (a claim-mode transaction then
+# sets its own, its lease, with SET_IDLE_TIMEOUT). Schema-free: run on each new connection.
+LIFT_IDLE_TIMEOUT = "SET idle_in_transaction_session_timeout = 0"
+
 # Claim-mode transactions: the server ends the session, rolling the claim back, if the
 # worker leaves the transaction idle longer than the job's lease.
 SET_IDLE_TIMEOUT = """

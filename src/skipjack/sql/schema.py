@@ -57,6 +57,9 @@ RECORD_MIGRATION = """
 INSERT INTO {schema}.migrations (version, name) VALUES (%(version)s, %(name)s)
 """
 
+# The listener's check that its connection is alive after a silence.
+PING = "SELECT 1"
+
 # A round trip through LISTEN/NOTIFY, to check notifications reach the worker's sessions;
 # sent only while the notification queue has room (one row when sent, none when not).
 PROBE_NOTIFY = "SELECT pg_notify(%(channel)s, 'probe') WHERE {schema}.may_notify()"
