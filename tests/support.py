@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,9 +124,10 @@ class WorkerProcess:
     """``python -m skipjack worker jobs_app:app`` in a real child process."""
 
     def __init__(self, dsn: str, schema: str, queues: list[str] | None = None,
-                 *args: str, log: Path | None = None, env: dict[str, str] | None = None) -> None:
+                 *args: str, log: Path | None = None, env: dict[str, str] | None = None,
+                 app: str = "jobs_app:app", options: tuple[str, ...] = ()) -> None:
         cmd = [sys.executable, "-m", "skipjack", "--dsn", dsn, "--schema", schema,
-               "worker", "jobs_app:app"]
+               *options, "worker", app]
         for q in queues or ["default"]:
             cmd += ["--queue", q]
         cmd += list(args)
@@ -161,3 +165,23 @@ class WorkerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
             self.kill()
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def http_get(url: str, timeout: float = 10) -> tuple[int, str]:
+    """(status, body) of a GET over real HTTP; an HTTP error status is returned, not raised,
+    and a server that cannot be reached (yet) gives status 0 and the reason."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except urllib.error.URLError as exc:
+        return 0, str(exc.reason)

@@ -21,10 +21,12 @@ from psycopg import sql
 
 from skipjack import App, current_job
 from skipjack.context import Job
+from skipjack.hooks import Hooks
 from skipjack.outcome import Outcome, error_json
-from skipjack.runtime.completer import Completer, WorkerStats
+from skipjack.runtime.completer import Completer
 from skipjack.runtime.heartbeat import Leases
 from skipjack.runtime.maintenance import rescue
+from skipjack.runtime.report import Reporter, WorkerStats
 from skipjack.runtime.worker import Worker
 from skipjack.sql.claim import claim_params
 
@@ -193,7 +195,7 @@ def test_an_outcome_the_database_refuses_is_recorded_without_the_rest_waiting(
     stats = WorkerStats()
 
     async def record() -> None:
-        completer = Completer(app.db, Leases(), stats)
+        completer = Completer(app.db, Leases(), Reporter(Hooks(), stats).recorded)
         runner = asyncio.create_task(completer.run())
         for o in outcomes:
             completer.submit(o)

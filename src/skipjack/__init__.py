@@ -1,7 +1,7 @@
 """skipjack: a PostgreSQL job queue for Python built on ``FOR UPDATE SKIP LOCKED``.
 
 Public API: :class:`App` (configuration, tasks, enqueue), :class:`Worker`, :class:`Backoff`,
-:func:`current_job`, and the errors.
+:func:`current_job`, :class:`Hook` (see :mod:`skipjack.hooks`), and the errors.
 """
 
 from .app import App, Task
@@ -18,17 +18,21 @@ from .errors import (
     Snooze,
     ValidationError,
 )
+from .hooks import Attempt, EnqueueCall, Hook
 from .jobs import JobSpec
 from .retry import Backoff
-from .runtime.completer import WorkerStats
+from .runtime.report import WorkerStats
 from .runtime.worker import Worker
 
 __all__ = [
     "App",
+    "Attempt",
     "Backoff",
     "ConfigError",
     "Discard",
     "DuplicateJobError",
+    "EnqueueCall",
+    "Hook",
     "Job",
     "JobCancelled",
     "JobContext",

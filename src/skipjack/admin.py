@@ -196,6 +196,39 @@ class Admin:
                                                   "limit": discarded_limit}).fetchall()
         return {"queues": counts, "oldest_runnable_seconds": oldest, "discarded": discarded}
 
+    def queue_summary(self) -> dict[str, Any]:
+        """What a monitor graphs, read without scanning the history: each count comes from
+        the partial index of its state (see ``QUEUE_GAUGES`` in :mod:`skipjack.sql.admin`),
+        so its cost grows with the waiting, running and discarded jobs, not the succeeded
+        ones.
+
+        Returns:
+            ``{"depth": {queue: {state: count}}`` for scheduled, available, running and
+            discarded jobs, ``"oldest_runnable_seconds": {queue: age}`` (database clock),
+            ``"queues": [settings rows as from queues()]``, ``"workers": live worker count``,
+            ``"estimated_rows": the planner's estimate of the whole table}``.
+        """
+        q = self.queries
+        with self.connect() as conn:
+            depth: dict[str, dict[str, int]] = {}
+            for queue, state, n in conn.execute(q.QUEUE_GAUGES).fetchall():
+                depth.setdefault(queue, {})[state] = n
+            oldest = dict(conn.execute(q.OLDEST_RUNNABLE).fetchall())
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            settings = cur.execute(q.LIST_QUEUES).fetchall()
+            workers = len(conn.execute(q.LIST_WORKERS).fetchall())
+            row = conn.execute(q.ESTIMATED_ROWS, {"schema": q.schema}).fetchone()
+        return {"depth": depth, "oldest_runnable_seconds": oldest, "queues": settings,
+                "workers": workers, "estimated_rows": row[0] if row else 0}
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The live workers (those whose registry row has not expired), oldest first: name,
+        host, pid, version, queues, concurrency, running (jobs at the last refresh),
+        started_at, last_seen (database clock) and stats (the worker's counters)."""
+        with self.connect() as conn:
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            return cur.execute(self.queries.LIST_WORKERS).fetchall()
+
     def state_counts(self) -> dict[str, dict[str, int]]:
         """Exact counts per queue and state, finished ones included (scans the history)."""
         counts: dict[str, dict[str, int]] = {}

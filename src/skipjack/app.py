@@ -8,7 +8,7 @@ import inspect
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, overload
@@ -21,6 +21,7 @@ from .admin import Admin
 from .cron import GRACE_MAX, GRACE_MIN, CronSchedule
 from .db import Database
 from .errors import ValidationError
+from .hooks import Hook, Hooks
 from .jobs import (
     DEFAULT_MAX_ARGS_BYTES,
     QUEUE_MAX_BYTES,
@@ -180,9 +181,12 @@ class App(Admin):
             enqueues without ``conn``; 1..1,000. A call waits up to 30 s for a free one,
             then raises ``psycopg_pool.PoolTimeout``: give as many as the threads (or tasks)
             that enqueue at once.
+        hooks: :class:`~skipjack.hooks.Hook` objects run around enqueues and executions
+            (more with :meth:`add_hook`).
 
     Raises:
         ValidationError: bad schema name, size limit or pool size.
+        TypeError: an item of ``hooks`` is not a Hook.
     """
 
     def __init__(
@@ -193,6 +197,7 @@ class App(Admin):
         max_args_bytes: int = DEFAULT_MAX_ARGS_BYTES,
         prepare: bool = True,
         pool_size: int = 4,
+        hooks: Sequence[Hook] = (),
     ) -> None:
         schema = schema or os.environ.get("SKIPJACK_SCHEMA") or "skipjack"
         if not isinstance(schema, str) or not _SCHEMA_RE.fullmatch(schema):
@@ -211,6 +216,7 @@ class App(Admin):
         self.max_args_bytes = max_args_bytes
         self.tasks: dict[str, Task] = {}
         self.crons: dict[str, CronEntry] = {}
+        self.hooks = Hooks(hooks)
         self._lock = threading.Lock()
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._apool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
@@ -221,6 +227,16 @@ class App(Admin):
     def dsn(self) -> str:
         """The resolved connection string (starts the embedded server when it is the one)."""
         return self.db.dsn
+
+    def add_hook(self, hook: Hook) -> None:
+        """Run ``hook`` (a :class:`~skipjack.hooks.Hook`) around this app's enqueues and its
+        workers' executions from now on, after the hooks added before it. A worker reads the
+        hooks as each attempt starts.
+
+        Raises:
+            TypeError: ``hook`` is not a Hook.
+        """
+        self.hooks.add(hook)
 
     @overload
     def task(self, fn: Callable[..., Any], /) -> Task: ...
@@ -471,14 +487,21 @@ class App(Admin):
         plan = enqueuing.Plan(self.queries, jobs, read_all=conn is not None)
         if plan.empty:  # checked before taking a connection
             return []
-        try:
-            if conn is None:
-                with self._sync_pool().connection() as own:
-                    return enqueuing.run(own, plan, pipelined=True)
-            return enqueuing.run(conn, plan, pipelined=False)
-        except psycopg.errors.UndefinedTable as exc:
-            enqueuing.note_not_migrated(exc, self.schema)
-            raise
+        with self.hooks.around_enqueue(plan.specs, conn is not None) as call:
+            if call is not None:
+                plan.metadata = self.hooks.metadata_json(call)
+            try:
+                if conn is None:
+                    with self._sync_pool().connection() as own:
+                        ids = enqueuing.run(own, plan, pipelined=True)
+                else:
+                    ids = enqueuing.run(conn, plan, pipelined=False)
+            except psycopg.errors.UndefinedTable as exc:
+                enqueuing.note_not_migrated(exc, self.schema)
+                raise
+            if call is not None:
+                call.ids, call.inserted = ids, plan.inserted
+        return ids
 
     async def enqueue_async(
         self, job: JobSpec, *, conn: psycopg.AsyncConnection[Any] | None = None
@@ -493,14 +516,21 @@ class App(Admin):
         plan = enqueuing.Plan(self.queries, jobs, read_all=conn is not None)
         if plan.empty:
             return []
-        try:
-            if conn is None:
-                async with (await self._async_pool()).connection() as own:
-                    return await enqueuing.run_async(own, plan, pipelined=True)
-            return await enqueuing.run_async(conn, plan, pipelined=False)
-        except psycopg.errors.UndefinedTable as exc:
-            enqueuing.note_not_migrated(exc, self.schema)
-            raise
+        with self.hooks.around_enqueue(plan.specs, conn is not None) as call:
+            if call is not None:
+                plan.metadata = self.hooks.metadata_json(call)
+            try:
+                if conn is None:
+                    async with (await self._async_pool()).connection() as own:
+                        ids = await enqueuing.run_async(own, plan, pipelined=True)
+                else:
+                    ids = await enqueuing.run_async(conn, plan, pipelined=False)
+            except psycopg.errors.UndefinedTable as exc:
+                enqueuing.note_not_migrated(exc, self.schema)
+                raise
+            if call is not None:
+                call.ids, call.inserted = ids, plan.inserted
+        return ids
 
 
 @dataclass(frozen=True)

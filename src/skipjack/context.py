@@ -17,6 +17,8 @@ class Job:
 
     Times are aware datetimes from the database clock (UTC). ``args`` is None when the
     payload was too large to fetch with the claim; the worker loads it before the handler runs.
+    ``metadata`` holds the text entries hooks attached at enqueue (see :mod:`skipjack.hooks`),
+    e.g. a trace context; None when there are none.
     """
 
     id: int
@@ -32,6 +34,7 @@ class Job:
     attempted_at: datetime
     idempotency_key: str | None
     lease: float  # seconds: the job's own lease, else the worker's
+    metadata: dict[str, str] | None = None
 
 
 # Why the worker took a job from its handler; it decides what is recorded (see

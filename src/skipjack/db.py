@@ -104,9 +104,11 @@ class ReconnectDelay:
         self._failures += 1
         return delay
 
-    def reset(self) -> None:
-        """Forget past failures (call after a successful connection or statement)."""
-        self._failures = 0
+    def reset(self) -> int:
+        """Forget past failures (call after a successful connection or statement); returns
+        how many there were (non-zero: the caller just recovered, and may say so)."""
+        failures, self._failures = self._failures, 0
+        return failures
 
 
 class Database:

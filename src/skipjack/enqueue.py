@@ -88,11 +88,12 @@ _BULK_COLUMNS: tuple[tuple[str, str, Callable[[list[Any]], str],
 )
 
 
-def insert_statement(q: Queries, specs: list[JobSpec]) -> Statement:
+def insert_statement(q: Queries, specs: list[JobSpec],
+                     metadata: str | None = None) -> Statement:
     """ENQUEUE_ONE with plain values for one job, else ENQUEUE with args as one array
     literal (see :func:`~skipjack.sql.arrays.text_array`) and each other column as one value
     when every job shares it, else as an array literal; their *_NO_KEYS forms when no job
-    has an idempotency key."""
+    has an idempotency key. ``metadata`` (JSON text, or None) goes with every job."""
     keyed = any(s.idempotency_key is not None for s in specs)
     if len(specs) == 1:
         s = specs[0]
@@ -100,8 +101,9 @@ def insert_statement(q: Queries, specs: list[JobSpec]) -> Statement:
             "queue": s.queue, "task": s.task, "args": s.args_json, "priority": s.priority,
             "max_attempts": s.max_attempts, "run_at": s.run_at, "delay": s.delay,
             "idempotency_key": s.idempotency_key, "lease_seconds": s.lease,
-            "unique_states": s.unique_states}
-    params: dict[str, Any] = {"args": text_array([s.args_json for s in specs])}
+            "unique_states": s.unique_states, "metadata": metadata}
+    params: dict[str, Any] = {"args": text_array([s.args_json for s in specs]),
+                              "metadata": metadata}
     for attr, name, array, convert in _BULK_COLUMNS:
         values = list(map(attrgetter(attr), specs))
         if convert is not None:
@@ -132,6 +134,8 @@ class Plan:
             self._chunks = iter(list(self._chunks))
         self._first = next(self._chunks, None)
         self.specs: list[JobSpec] = []  # every spec of the inserts sent so far
+        self.metadata: str | None = None  # JSON text stored with every job (hooks')
+        self.inserted: frozenset[int] = frozenset()  # ids of the rows the inserts created
 
     @property
     def empty(self) -> bool:
@@ -153,7 +157,7 @@ class Plan:
             return
         for chunk, _ in chain([self._first], self._chunks):
             self.specs += chunk
-            yield insert_statement(self._q, chunk)
+            yield insert_statement(self._q, chunk, self.metadata)
 
     def resolve_ids(self, rows: list[Row]) -> Generator[Statement, list[Row], list[int]]:
         """The ids in input order from the rows the inserts returned. It yields each further
@@ -170,7 +174,8 @@ class Plan:
                 break
             existing += yield self._q.EXISTING_KEYS, {"keys": missing}
             for chunk, _ in chunks(_specs_to_retry(self.specs, [*rows, *existing])):
-                rows += yield insert_statement(self._q, chunk)
+                rows += yield insert_statement(self._q, chunk, self.metadata)
+        self.inserted = frozenset(job_id for job_id, _ in rows)
         return _assign_ids(self.specs, rows, existing)
 
 

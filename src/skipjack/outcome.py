@@ -9,7 +9,7 @@ import json
 import logging
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from .app import Task
@@ -45,7 +45,9 @@ class Outcome:
     ``lease_version``.
 
     ``delay`` is seconds until the job is runnable again (retry, release); ``result`` and
-    ``error`` are JSON text (see :func:`error_json`).
+    ``error`` are JSON text (see :func:`error_json`). ``job``, ``ran`` (seconds the handler
+    ran; None when it never started) and ``exception`` (what it raised) are not written:
+    they are for the log line and the hooks (see :mod:`skipjack.runtime.report`).
     """
 
     id: int
@@ -55,6 +57,9 @@ class Outcome:
     delay: float = 0.0
     result: str | None = None
     error: str | None = None
+    job: Job | None = field(default=None, compare=False, repr=False)
+    ran: float | None = field(default=None, compare=False)
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
 
 
 def outcome_params(batch: Sequence[Outcome]) -> dict[str, str]:
@@ -83,18 +88,26 @@ def error_json(job: Job, exc: BaseException) -> str:
 def decide(job: Job, task: Task | None, *, result: object = None,
            error: BaseException | None = None,
            cancelled: tuple[CancelCause, str] | None = None,
-           unknown_task_grace: float = UNKNOWN_TASK_GRACE) -> Outcome | None:
-    """The outcome of one attempt (see :func:`_decide`); never raises: if deciding itself
-    fails (a task's policy that raises), the attempt is retried with :data:`DEFAULT_BACKOFF`
-    and that failure as its error, so no job is left running unrecorded."""
+           unknown_task_grace: float = UNKNOWN_TASK_GRACE,
+           ran: float | None = None) -> Outcome | None:
+    """The outcome of one attempt (see :func:`_decide`), with ``job``, ``ran`` (seconds the
+    handler ran) and the exception attached for the reports; never raises: if deciding
+    itself fails (a task's policy that raises), the attempt is retried with
+    :data:`DEFAULT_BACKOFF` and that failure as its error, so no job is left running
+    unrecorded."""
     try:
-        return _decide(job, task, result=result, error=error, cancelled=cancelled,
-                       unknown_task_grace=unknown_task_grace)
+        outcome = _decide(job, task, result=result, error=error, cancelled=cancelled,
+                          unknown_task_grace=unknown_task_grace)
     except Exception as failure:
         log.exception("job %s: deciding its outcome failed", job.id)
         return Outcome(job.id, job.lease_version, job.queue, "retry",
                        delay=DEFAULT_BACKOFF.delay(max(1, min(job.attempt, 64))),
-                       error=error_json(job, failure))
+                       error=error_json(job, failure), job=job, ran=ran, exception=failure)
+    if outcome is None:
+        return None
+    if cancelled is not None and cancelled[0] == "timed out":
+        error = TimeoutError(cancelled[1])
+    return replace(outcome, job=job, ran=ran, exception=error)
 
 
 def _decide(job: Job, task: Task | None, *, result: object, error: BaseException | None,

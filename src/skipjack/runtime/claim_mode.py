@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -26,11 +28,12 @@ from ..app import Task
 from ..context import Job, JobContext, set_current
 from ..db import Database, connection_lost
 from ..errors import ArgumentsError, HandlerTransactionError
+from ..hooks import Hooks
 from ..outcome import DEFAULT_BACKOFF, Outcome, decide, outcome_params
 from ..sql.arrays import number_array
-from .completer import Completer, WorkerStats
 from .executor import ENDED, Executor, check_handler_transaction, transaction_now
 from .heartbeat import Leases
+from .report import Reporter, WorkerStats
 from .skips import SkipList
 from .slots import Slots
 
@@ -52,6 +55,16 @@ class _Ended(Exception):
         self.outcome = outcome
 
 
+# What a runner reports of one claim: the outcome, the job's new state and its run_at (None
+# when nothing was written).
+Recorded = tuple[Outcome | None, str | None, datetime | None]
+
+
+def _state(rows: list[Any]) -> tuple[str | None, datetime | None]:
+    """(state, run_at) of the first row an outcome statement returned, or (None, None)."""
+    return (rows[0][1], rows[0][2]) if rows else (None, None)
+
+
 class ClaimModeRunners:
     """Starts and tracks the runners of claim-mode tasks.
 
@@ -63,7 +76,8 @@ class ClaimModeRunners:
         leases: the running set the heartbeat renews (a claim-mode job joins it, renewed
             only once its handler ended the claim's transaction itself).
         executor: runs the handlers in its thread pool, on its sync connection pool.
-        completer: counts the outcomes (written by the runners themselves).
+        report: told about each outcome (written by the runners themselves).
+        hooks: the app's hooks, entered around each handler call.
         stats: counters to update.
         stopping: set when the worker shuts down (no more runners start).
         claim_params: bind values of the claim statement.
@@ -72,8 +86,8 @@ class ClaimModeRunners:
     """
 
     def __init__(self, db: Database, tasks: Mapping[str, Task], queues: Sequence[str],
-                 slots: Slots, leases: Leases, executor: Executor, completer: Completer,
-                 stats: WorkerStats,
+                 slots: Slots, leases: Leases, executor: Executor, report: Reporter,
+                 hooks: Hooks, stats: WorkerStats,
                  stopping: asyncio.Event, claim_params: ClaimParams, *, lease: float,
                  on_slot_freed: Callable[[], None]) -> None:
         self._db = db
@@ -81,7 +95,8 @@ class ClaimModeRunners:
         self._slots = slots
         self._leases = leases
         self._executor = executor
-        self._completer = completer
+        self._report = report
+        self._hooks = hooks
         self._stats = stats
         self._stopping = stopping
         self._claim_params = claim_params
@@ -124,7 +139,7 @@ class ClaimModeRunners:
         try:
             while not self._stopping.is_set():
                 try:
-                    outcome, state = await self._executor.in_thread(
+                    outcome, state, run_at = await self._executor.in_thread(
                         functools.partial(self._once, queue, grow))
                 except _Skipped:
                     continue  # claim again, without that job
@@ -139,17 +154,16 @@ class ClaimModeRunners:
                 if outcome is None:
                     break
                 self._stats.claimed += 1
-                self._completer.count(outcome, state)
+                self._report.recorded(outcome, state, run_at)
         finally:
             self._slots.claim_mode -= 1
             self._executor.fill()  # a buffered job may have waited for this slot
             self._on_slot_freed()
 
-    def _once(self, queue: str,
-              on_claimed: Callable[[str], None]) -> tuple[Outcome | None, str | None]:
+    def _once(self, queue: str, on_claimed: Callable[[str], None]) -> Recorded:
         """In a handler thread: claim one job in a transaction, run it, record the outcome in
-        the same transaction, commit. Returns (outcome, new state), or (None, None) when the
-        queue had no job.
+        the same transaction, commit. Returns (outcome, new state, run_at), or (None, None,
+        None) when the queue had no job.
 
         A claim statement the database refuses skips its job for a while (see
         :mod:`skipjack.runtime.skips`) and raises :class:`_Skipped`. A transaction that
@@ -171,7 +185,7 @@ class ClaimModeRunners:
                     params["skip"] = number_array(self._skipped.ids())
                 row = conn.execute(q.CLAIM_IN_TRANSACTION, params).fetchone()
                 if row is None:
-                    return None, None
+                    return None, None, None
                 on_claimed(queue)
                 job = Job(*row)
                 task = self._tasks[job.task]
@@ -185,7 +199,7 @@ class ClaimModeRunners:
                     outcome, rows = self._run_and_record(conn, job, task)
                 finally:
                     self._leases.remove(job.id, job.lease_version)
-            return outcome, rows[0][1] if rows else None
+            return (outcome, *_state(rows))
         except psycopg.Error as exc:
             if connection_lost(exc):
                 raise
@@ -219,8 +233,7 @@ class ClaimModeRunners:
             assert failed is not None
             return failed, conn.execute(q.RECORD_OUTCOMES, outcome_params([failed])).fetchall()
 
-    def _count_failed_commit(self, job: Job, task: Task,
-                             exc: psycopg.Error) -> tuple[Outcome | None, str | None]:
+    def _count_failed_commit(self, job: Job, task: Task, exc: psycopg.Error) -> Recorded:
         """The claim's transaction failed after the handler ran and rolled back: count the
         failed attempt, with the database's error, on the job it made available again."""
         outcome = decide(job, task, error=exc)
@@ -237,8 +250,8 @@ class ClaimModeRunners:
             if connection_lost(refused):
                 raise
             self._skipped.add(job.id, str(refused).strip())  # nothing of it can be written
-            return outcome, None
-        return outcome, rows[0][1] if rows else None
+            return outcome, None, None
+        return (outcome, *_state(rows))
 
     def _skip_first_candidate(self, queue: str, exc: psycopg.Error) -> None:
         """The claim of one job (the first candidate) was refused: skip that job."""
@@ -257,6 +270,7 @@ class ClaimModeRunners:
     def _handle(self, conn: psycopg.Connection[Any], job: Job, task: Task) -> Outcome:
         """Run the handler in a savepoint of the claim's transaction; its outcome."""
         outcome: Outcome | None
+        started = time.monotonic()
         try:
             args = job.args
             if args is None:
@@ -267,7 +281,7 @@ class ClaimModeRunners:
             if problem is not None:
                 raise ArgumentsError(problem)
             with conn.transaction():  # a savepoint: a failed handler's writes roll back
-                result = task.fn(**args)
+                result = self._hooks.wrap(job, task.fn, False)(**args)
                 # raising here rolls back to the savepoint; the claim's now() is attempted_at
                 try:
                     check_handler_transaction(conn, job.attempted_at,
@@ -278,13 +292,13 @@ class ClaimModeRunners:
                         # one the handler began after ending the claim's: not ours to keep
                         conn.execute(self._db.queries.END_HANDLER_TRANSACTION)
                     raise
-            outcome = decide(job, task, result=result)
+            outcome = decide(job, task, result=result, ran=time.monotonic() - started)
         except Exception as exc:  # Snooze included
             if (conn.info.transaction_status == TransactionStatus.IDLE
                     and not isinstance(exc, HandlerTransactionError)):
                 exc = HandlerTransactionError(f"{ENDED}; it then raised "
                                               f"{type(exc).__name__}: {exc}")
-            outcome = decide(job, task, error=exc)
+            outcome = decide(job, task, error=exc, ran=time.monotonic() - started)
         assert outcome is not None  # never a cancellation here
         return outcome
 
@@ -307,4 +321,4 @@ class ClaimModeRunners:
             log.warning("job %s was claimed again before its failed attempt could be counted",
                         job.id)
             conn.execute(q.NOTE_ERROR, {"id": job.id, "error": outcome.error})
-        return [(job.id, state) for _, state in rows]
+        return [(job.id, state, run_at) for _, state, run_at in rows]

@@ -12,7 +12,8 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -23,19 +24,6 @@ from ..outcome import Outcome, outcome_params
 from .heartbeat import Leases
 
 log = logging.getLogger("skipjack.worker")
-
-
-@dataclass
-class WorkerStats:
-    """Counters since the worker started."""
-
-    claimed: int = 0
-    succeeded: int = 0
-    retried: int = 0
-    discarded: int = 0
-    released: int = 0
-    stale_writes: int = 0  # outcome writes rejected by fencing
-    leases_lost: int = 0
 
 
 # While other jobs are still running, a batch smaller than LINGER_BATCH waits LINGER seconds
@@ -51,20 +39,22 @@ class Completer:
     Args:
         db: the app's database.
         leases: the running set; a job leaves it once its outcome is written.
-        stats: counters to update.
+        report: called with each outcome written (and the job's new state and run_at) or
+            rejected as stale (state None).
         more_coming: whether more outcomes are on their way (jobs still running); a small
             batch then waits ``LINGER`` seconds to grow before it is written.
         on_written: called after each batch is written (the worker may claim again).
     """
 
-    def __init__(self, db: Database, leases: Leases, stats: WorkerStats,
+    def __init__(self, db: Database, leases: Leases,
+                 report: Callable[[Outcome, str | None, datetime | None], None],
                  more_coming: Callable[[], bool] = lambda: False,
                  on_written: Callable[[], None] = lambda: None) -> None:
         self._db = db
         self._more_coming = more_coming
         self._on_written = on_written
         self._leases = leases
-        self._stats = stats
+        self._report = report
         self._pending: list[Outcome] = []
         self._refused: dict[tuple[int, int], tuple[int, str]] = {}  # refusals, the last one
         self._writing = False
@@ -105,8 +95,10 @@ class Completer:
                             conn = await self._db.connect_async()
                         cur = await conn.execute(self._db.queries.RECORD_OUTCOMES,
                                                  outcome_params(batch))
-                        applied = dict(await cur.fetchall())
-                        backoff.reset()
+                        applied = {r[0]: (r[1], r[2]) for r in await cur.fetchall()}
+                        if backoff.reset():
+                            log.info("completer: the database is reachable again; "
+                                     "recording outcomes")
                     except psycopg.Error as exc:
                         if connection_lost(exc) or conn is None or conn.broken:
                             await close_quietly(conn)
@@ -135,14 +127,15 @@ class Completer:
                     self._pending = [o for o in self._pending if o.id not in done]
                     for o in batch:
                         self._leases.remove(o.id, o.lease_version)
-                        self.count(o, applied.get(o.id))
+                        self._report(o, *applied.get(o.id, (None, None)))
                     self._on_written()
                 self._flushed.set()
         finally:
             await close_quietly(conn)
 
     async def _one_by_one(self, conn: psycopg.AsyncConnection[Any], batch: list[Outcome]
-                          ) -> tuple[dict[int, str], list[Outcome], list[Outcome]]:
+                          ) -> tuple[dict[int, tuple[str, datetime]], list[Outcome],
+                                     list[Outcome]]:
         """Write each outcome of a refused batch alone, so that one the database refuses
         holds back no other. A refused outcome is kept for the next rounds: written as it is
         up to :data:`TRIES_AS_IS` times (the refusal may pass), then without its result and
@@ -152,13 +145,14 @@ class Completer:
         does not count as a refusal.
 
         Returns:
-            (job id -> new state for the rows written, the outcomes written, the outcomes
-            kept for a later round). An outcome given up is taken from the pending ones here.
+            (job id -> (new state, run_at) for the rows written, the outcomes written, the
+            outcomes kept for a later round). An outcome given up is taken from the pending
+            ones here.
 
         Raises:
             psycopg.Error: the connection was lost.
         """
-        applied: dict[int, str] = {}
+        applied: dict[int, tuple[str, datetime]] = {}
         settled: list[Outcome] = []
         kept: list[Outcome] = []
         q = self._db.queries
@@ -176,7 +170,7 @@ class Completer:
                                                          discard=refused > TRIES_AS_IS)
             try:
                 cur = await conn.execute(q.RECORD_OUTCOMES, outcome_params([form]))
-                applied.update(dict(await cur.fetchall()))
+                applied.update({r[0]: (r[1], r[2]) for r in await cur.fetchall()})
                 self._refused.pop(key, None)
                 settled.append(form)
             except psycopg.Error as exc:
@@ -189,26 +183,6 @@ class Completer:
                               refusal)
                 kept.append(o)
         return applied, settled, kept
-
-    def count(self, o: Outcome, state: str | None) -> None:
-        """Account for an outcome that was written (``state``: the job's new state) or
-        rejected as stale (``state`` None)."""
-        if state is None:
-            self._stats.stale_writes += 1
-            log.warning("job %s: stale %s rejected (lease_version %s is no longer current)",
-                        o.id, o.kind, o.lease_version)
-        elif o.kind == "complete":
-            self._stats.succeeded += 1
-        elif o.kind == "release":
-            self._stats.released += 1
-        elif state == "cancelled":
-            log.info("job %s cancelled", o.id)
-        elif state == "discarded":
-            self._stats.discarded += 1
-            log.warning("job %s discarded (dead letter)", o.id)
-        else:
-            self._stats.retried += 1  # the stager makes it runnable when its delay is over
-            log.info("job %s: attempt failed, retrying in %.1fs", o.id, o.delay)
 
 
 # Refusals that say nothing about the outcome itself: it is written again later.
@@ -240,6 +214,5 @@ def _safe(o: Outcome, refusal: str, *, discard: bool) -> Outcome:
     error = json.dumps({k: scrub_text(v) if isinstance(v, str) else v for k, v in entry.items()},
                        ensure_ascii=False)
     if discard:
-        return Outcome(o.id, o.lease_version, o.queue, "discard", 0.0, None, error)
-    return Outcome(o.id, o.lease_version, o.queue, o.kind, min(o.delay, SAFE_DELAY_MAX), None,
-                   error)
+        return replace(o, kind="discard", delay=0.0, result=None, error=error)
+    return replace(o, delay=min(o.delay, SAFE_DELAY_MAX), result=None, error=error)

@@ -37,11 +37,13 @@ from ..app import Task
 from ..context import CancelCause, Job, JobContext, set_current
 from ..db import Database
 from ..errors import ArgumentsError, HandlerTransactionError, Snooze
+from ..hooks import Hooks
 from ..jobs import dump_result
 from ..outcome import UNKNOWN_TASK_GRACE, Outcome, decide, outcome_params
 from ..sql.claim import LIFT_IDLE_TIMEOUT
-from .completer import Completer, WorkerStats
+from .completer import Completer
 from .heartbeat import Leases
+from .report import Reporter, WorkerStats
 from .slots import Running, Slots
 
 log = logging.getLogger("skipjack.worker")
@@ -59,6 +61,9 @@ class Executor:
         leases: the running set the heartbeat renews.
         completer: where outcomes go.
         stats: counters to update.
+        report: told about attempts whose outcome is recorded here (``transaction``
+            "complete") or never (a lost lease).
+        hooks: the app's hooks, entered around each handler call.
         stopping: set when the worker shuts down (no more jobs start).
         concurrency: threads for sync handlers, and connections per pool.
         large_args_concurrency: the most jobs at once whose args were too large to come
@@ -71,7 +76,8 @@ class Executor:
     """
 
     def __init__(self, db: Database, tasks: Mapping[str, Task], slots: Slots, leases: Leases,
-                 completer: Completer, stats: WorkerStats, stopping: asyncio.Event, *,
+                 completer: Completer, stats: WorkerStats, report: Reporter, hooks: Hooks,
+                 stopping: asyncio.Event, *,
                  concurrency: int, large_args_concurrency: int,
                  on_slot_freed: Callable[[str | None], None],
                  unknown_task_grace: float = UNKNOWN_TASK_GRACE) -> None:
@@ -81,6 +87,8 @@ class Executor:
         self._leases = leases
         self._completer = completer
         self._stats = stats
+        self._report = report
+        self._hooks = hooks
         self._stopping = stopping
         self._concurrency = concurrency
         self._on_slot_freed = on_slot_freed
@@ -106,6 +114,16 @@ class Executor:
                                               kwargs=self._db.connect_kwargs, open=False,
                                               configure=_no_idle_timeout_async)
             await self._apool.open()
+
+    def pool_gauges(self) -> dict[tuple[str, str], int]:
+        """(``sync``/``async``, ``open``/``idle``) -> connections of the handlers' pools."""
+        out: dict[tuple[str, str], int] = {}
+        for kind, pool in (("sync", self.pool), ("async", self._apool)):
+            if pool is not None:
+                stats = pool.get_stats()
+                out[kind, "open"] = stats.get("pool_size", 0)
+                out[kind, "idle"] = stats.get("pool_available", 0)
+        return out
 
     async def close(self) -> None:
         """Stop the thread pool (without waiting for handlers that still run) and close the
@@ -174,7 +192,8 @@ class Executor:
         waiting = self._slots.ready.get(job_id)
         if waiting is not None and waiting.lease_version == lease_version:
             del self._slots.ready[job_id]
-            self._completer.submit(Outcome(job_id, lease_version, waiting.queue, "cancel"))
+            self._completer.submit(Outcome(job_id, lease_version, waiting.queue, "cancel",
+                                           job=waiting))
             return
         if self._take(job_id, lease_version, "cancel requested", "cancel requested"):
             log.info("job %s: cancellation requested; cancelling its handler", job_id)
@@ -203,6 +222,9 @@ class Executor:
         set_current(ctx)
         task = self._tasks.get(job.task)
         outcome: Outcome | None
+        error: BaseException | None = None
+        recorded = False  # transaction="complete": recorded inside the handler's transaction
+        started = time.monotonic()
         try:
             if task is None:
                 self._warn_unknown(job)
@@ -212,19 +234,23 @@ class Executor:
             else:
                 async with self._large_args:  # bounds the memory that big payloads take
                     result = await self._call(running, task, await self._load_args(job))
+            ran = time.monotonic() - started
             if task.transaction == "complete":
-                outcome = None  # recorded inside the handler's transaction
-                self._completer.count(Outcome(job.id, job.lease_version, job.queue, "complete"),
+                outcome, recorded = None, True
+                self._report.recorded(Outcome(job.id, job.lease_version, job.queue, "complete",
+                                              job=job, ran=ran),
                                       "succeeded" if result else None)
             else:
-                outcome = decide(job, task, result=result, cancelled=ctx.cancellation)
+                outcome = decide(job, task, result=result, cancelled=ctx.cancellation, ran=ran)
         except Snooze as exc:
-            outcome = decide(job, task, error=exc)
+            outcome = decide(job, task, error=exc, ran=time.monotonic() - started)
         except (asyncio.CancelledError, Exception, SystemExit, KeyboardInterrupt) as exc:
             # ours (lease lost, cancel requested, timeout, shutdown) or the handler's own; a
             # handler never ends the worker
+            error = exc
             outcome = decide(job, task, error=exc, cancelled=ctx.cancellation,
-                             unknown_task_grace=self._unknown_task_grace)
+                             unknown_task_grace=self._unknown_task_grace,
+                             ran=time.monotonic() - started)
         finally:
             if running.superseded:  # see buffer()
                 self._slots.stuck_threads -= 1
@@ -232,10 +258,12 @@ class Executor:
                 del self._slots.running[job.id]
             self.fill()  # the next buffered job takes the slot at once
             self._on_slot_freed(job.queue)
-        if outcome is None:
-            self._leases.remove(job.id, job.lease_version)
-        else:
+        if outcome is not None:
             self._completer.submit(outcome)
+            return
+        self._leases.remove(job.id, job.lease_version)
+        if not recorded:  # the lease was lost: nothing may be written
+            self._report.lost(job, time.monotonic() - started, error)
 
     def _warn_unknown(self, job: Job) -> None:
         """Log a job of a task this worker does not know: at most once a minute per task."""
@@ -266,7 +294,8 @@ class Executor:
     async def _call_now(self, running: Running, task: Task, args: dict[str, Any]) -> Any:
         """Run the handler; for transaction="complete" tasks, return whether the completion
         committed, else the handler's result."""
-        fn, ctx = task.fn, running.ctx
+        ctx = running.ctx
+        fn = self._hooks.wrap(ctx.job, task.fn, running.is_async)
         q = self._db.queries
         finishing = functools.partial(self._leases.finishing, ctx.job.id, ctx.job.lease_version)
         if task.transaction == "complete":

@@ -119,7 +119,8 @@ class HeartbeatThread(threading.Thread):
         while not self._stop_event.wait(self._interval):
             try:
                 self._beat()
-                self._reconnect.reset()
+                if self._reconnect.reset():
+                    log.info("heartbeat: the database is reachable again")
             except psycopg.Error as exc:
                 if self._conn is not None:
                     self._conn.close()

@@ -17,7 +17,8 @@ log = logging.getLogger("skipjack.worker")
 
 
 async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Callable[[], None],
-                 health_interval: float) -> None:
+                 health_interval: float,
+                 on_lost: Callable[[], None] = lambda: None) -> None:
     """LISTEN on the app's channel until cancelled.
 
     Args:
@@ -26,6 +27,8 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
         on_connect: called after each (re)connection, so the caller rescans every queue
             (notifications sent while the listener was away are lost).
         health_interval: seconds of silence after which ``SELECT 1`` checks the connection.
+        on_lost: called when the connection was lost (the worker polls until the next
+            ``on_connect``).
 
     Database errors never end it: it reconnects with capped exponential backoff.
     """
@@ -35,13 +38,15 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
         try:
             async with await db.connect_async() as conn:
                 await conn.execute(statement)
-                backoff.reset()
+                if backoff.reset():
+                    log.info("listener: listening again")
                 on_connect()
                 while True:
                     async for note in conn.notifies(timeout=health_interval):
                         on_queue(note.payload)
                     await conn.execute(db.queries.PING)  # detects a dead connection
         except psycopg.Error as exc:
+            on_lost()
             delay = backoff.next()
             log.warning("listener: %s (reconnecting in %.1fs)", str(exc).strip(), delay)
             await asyncio.sleep(delay)

@@ -5,7 +5,10 @@
 - the cron scheduler enqueues each due slot once (:func:`schedule_due`);
 - the pruner deletes finished jobs past their retention;
 - the notification queue's watch (:class:`NotifyQueueWatch`) warns while PostgreSQL's
-  notification queue is so full that wake-ups are skipped, naming the likely cause.
+  notification queue is so full that wake-ups are skipped, naming the likely cause;
+- the registry (:class:`Registry`) keeps this worker's row in the live worker registry fresh
+  and removes the rows of workers that are gone (only for people: nothing reads it to
+  recover jobs).
 
 None of them needs a leader: each takes its rows with ``SKIP LOCKED`` (so none
 waits on, or deadlocks with, workers or one another), and uniqueness in the database makes
@@ -16,13 +19,17 @@ worker has.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from importlib import metadata
 from typing import Any
 
 import psycopg
@@ -267,6 +274,51 @@ def _holder_text(holder: Sequence[Any]) -> str:
             f"idle_in_transaction_session_timeout")
 
 
+class Registry:
+    """This worker's row in the live worker registry (the ``workers`` table).
+
+    Each run writes the row (created on the first), good for ``ttl`` seconds, and removes
+    rows whose time is up: workers that stopped without saying so. :meth:`unregister`
+    removes the row at a clean stop.
+
+    Args:
+        queries: the app's statements.
+        name, queues, concurrency: the worker's.
+        interval: seconds between refreshes; the row lives ``3 x interval + 5`` seconds.
+        snapshot: returns (jobs running now, the worker's counters as a dict), read from
+            this thread.
+    """
+
+    def __init__(self, queries: Queries, *, name: str, queues: Sequence[str], concurrency: int,
+                 interval: float, snapshot: Callable[[], tuple[int, dict[str, int]]]) -> None:
+        self._q = queries
+        self.ttl = 3 * interval + 5.0
+        self._snapshot = snapshot
+        self._row: dict[str, Any] = {
+            "name": name, "host": socket.gethostname(), "pid": os.getpid(),
+            "version": _version(), "queues": list(queues), "concurrency": concurrency,
+            "ttl": self.ttl}
+
+    def __call__(self, conn: psycopg.Connection[Any]) -> None:
+        running, stats = self._snapshot()
+        conn.execute(self._q.REGISTER_WORKER,
+                     {**self._row, "running": running, "stats": json.dumps(stats)})
+        for (name,) in conn.execute(self._q.EXPIRE_WORKERS).fetchall():
+            log.info("worker %s is gone (its registry row expired); removed it", name,
+                     extra={"worker": name})
+
+    def unregister(self, conn: psycopg.Connection[Any]) -> None:
+        """Remove this worker's row."""
+        conn.execute(self._q.UNREGISTER_WORKER, {"name": self._row["name"]})
+
+
+def _version() -> str:
+    try:
+        return metadata.version("skipjack")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 @dataclass
 class Duty:
     """One periodic task of the maintenance thread."""
@@ -291,6 +343,8 @@ class Maintenance(threading.Thread):
             cron entries.
         poll_interval: the worker's poll interval, in seconds (named by the notification
             queue's warning).
+        registry: the worker's row in the live worker registry, refreshed every
+            ``registry_interval`` seconds and removed when the thread ends (None: none).
 
     Each duty's first run is at a random point of its first interval and later runs are
     jittered by +-20%, so many workers spread out.
@@ -300,7 +354,8 @@ class Maintenance(threading.Thread):
                  retention: float | None, discarded_retention: float | None,
                  on_staged: Callable[[str], None],
                  cron: Callable[[psycopg.Connection[Any]], object] | None = None,
-                 poll_interval: float = 5.0) -> None:
+                 poll_interval: float = 5.0, registry: Registry | None = None,
+                 registry_interval: float = 10.0) -> None:
         super().__init__(name="skipjack-maintenance", daemon=True)
         self._db = db
         self._stop_event = threading.Event()
@@ -315,6 +370,9 @@ class Maintenance(threading.Thread):
             Duty("notification queue watch", NOTIFY_CHECK_INTERVAL,
                  NotifyQueueWatch(q, poll_interval=poll_interval)),
         ]
+        self._registry = registry
+        if registry is not None:
+            self._duties.append(Duty("registry", registry_interval, registry))
         if cron is not None:
             self._duties.append(Duty("cron", 1.0, cron))
         if retention is not None:
@@ -322,7 +380,9 @@ class Maintenance(threading.Thread):
                 c, q, retention=retention, discarded_retention=discarded_retention)))
         now = time.monotonic()
         for duty in self._duties:
-            duty.next_at = now + duty.interval * random.uniform(0.1, 1.0)
+            # the registry row at once: a worker shows up as soon as it runs
+            first = 0.0 if duty.name == "registry" else random.uniform(0.1, 1.0)
+            duty.next_at = now + duty.interval * first
 
     def stop(self) -> None:
         """Ask the thread to end after its current step."""
@@ -339,7 +399,8 @@ class Maintenance(threading.Thread):
                     if self._conn is None or self._conn.closed:
                         self._conn = self._db.connect()
                     duty.run(self._conn)
-                    backoff.reset()
+                    if backoff.reset():
+                        log.info("%s: the database is reachable again", duty.name)
                 except psycopg.Error as exc:
                     if self._conn is not None and not self._conn.broken \
                             and not connection_lost(exc):
@@ -359,5 +420,18 @@ class Maintenance(threading.Thread):
                 except Exception:  # a bug in one duty must not stop the others
                     log.exception("%s failed; it runs again at its next interval", duty.name)
                 duty.next_at = time.monotonic() + duty.interval * random.uniform(0.8, 1.2)
+        self._unregister()
         if self._conn is not None:
             self._conn.close()
+
+    def _unregister(self) -> None:
+        """Remove the worker's registry row, if the database can be reached at once."""
+        if self._registry is None:
+            return
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = self._db.connect()
+            self._registry.unregister(self._conn)
+        except psycopg.Error as exc:  # it expires by itself
+            log.info("could not remove this worker's registry row (%s); it expires in %.0fs",
+                     str(exc).strip(), self._registry.ttl)

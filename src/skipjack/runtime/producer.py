@@ -135,7 +135,8 @@ class Producer:
                             self._limited = {r[0] for r in await cur.fetchall()}
                             refresh = False
                         rows = await self._claim(conn, queue, want)
-                        backoff.reset()
+                        if backoff.reset():
+                            log.info("claim: the database is reachable again")
                     except psycopg.Error as exc:
                         if (conn is not None and not conn.broken and not connection_lost(exc)
                                 and await self._skip_failing(conn, queue, want, exc)):

@@ -28,7 +28,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..app import App
@@ -39,12 +39,13 @@ from ..outcome import UNKNOWN_TASK_GRACE, Outcome
 from ..sql.claim import claim_params
 from . import eventloop
 from .claim_mode import ClaimModeRunners
-from .completer import Completer, WorkerStats
+from .completer import Completer
 from .executor import Executor
 from .heartbeat import HeartbeatThread, Leases
 from .listener import listen, probe
-from .maintenance import Maintenance, schedule_due
+from .maintenance import Maintenance, Registry, schedule_due
 from .producer import Producer
+from .report import Reporter, WorkerStats
 from .slots import Slots
 
 log = logging.getLogger("skipjack.worker")
@@ -52,6 +53,8 @@ log = logging.getLogger("skipjack.worker")
 # Seconds a stopping worker waits for its producer to finish the claim in flight (a claim
 # takes milliseconds; a connection attempt to an unreachable server up to its timeout).
 PRODUCER_STOP_TIMEOUT = 15.0
+# Seconds a stopping worker waits for its maintenance thread's step in progress to end.
+MAINTENANCE_STOP_TIMEOUT = 5.0
 
 DAY = 86_400.0
 YEAR = 365.25 * DAY
@@ -207,20 +210,24 @@ class Worker:
         self._stop_requested = False
         self._first_signal = 0.0
         self._stopping = asyncio.Event()
+        self._serving = False  # started and not yet stopping
+        self._listening = False  # LISTEN connected (else only polling)
         self._leases = Leases()
         self._slots = Slots(self.concurrency, self.prefetch)
-        self._completer = Completer(db, self._leases, self.stats,
+        self._report = Reporter(self.app.hooks, self.stats)
+        self._completer = Completer(db, self._leases, self._report.recorded,
                                     more_coming=lambda: bool(self._slots.running),
                                     on_written=lambda: self._producer.wakeup.set())
         self._executor = Executor(db, self.app.tasks, self._slots, self._leases,
-                                  self._completer, self.stats, self._stopping,
+                                  self._completer, self.stats, self._report, self.app.hooks,
+                                  self._stopping,
                                   concurrency=self.concurrency,
                                   large_args_concurrency=self.large_args_concurrency,
                                   on_slot_freed=lambda q: self._producer.slot_freed(q),
                                   unknown_task_grace=self.unknown_task_grace)
         self._claim_mode = ClaimModeRunners(db, self.app.tasks, self.queues, self._slots,
-                                            self._leases, self._executor, self._completer,
-                                            self.stats,
+                                            self._leases, self._executor, self._report,
+                                            self.app.hooks, self.stats,
                                             self._stopping, self._claim_params,
                                             lease=self.lease,
                                             on_slot_freed=lambda: self._producer.slot_freed())
@@ -238,7 +245,11 @@ class Worker:
             retention=self.retention, discarded_retention=self.discarded_retention,
             on_staged=self._threadsafe(self._producer.mark_due),
             cron=(lambda c: schedule_due(self.app, c)) if self.app.crons else None,
-            poll_interval=self.poll_interval)
+            poll_interval=self.poll_interval,
+            registry=Registry(db.queries, name=self.name, queues=self.queues,
+                              concurrency=self.concurrency, interval=self.heartbeat,
+                              snapshot=lambda: (self._slots.busy(), asdict(self.stats))),
+            registry_interval=self.heartbeat)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -313,12 +324,14 @@ class Worker:
                         "queue (they have %s): name them with --queue", ", ".join(task_queues))
         producer = asyncio.create_task(self._producer.run(), name="skipjack-producer")
         helpers = [asyncio.create_task(listen(self.app.db, self._producer.mark_due,
-                                              self._producer.mark_all_due,
-                                              self.listen_health_interval),
+                                              self._listener_connected,
+                                              self.listen_health_interval,
+                                              on_lost=self._listener_lost),
                                        name="skipjack-listener"),
                    asyncio.create_task(self._completer.run(), name="skipjack-completer")]
         stopping = asyncio.create_task(self._stopping.wait())
         failure: BaseException | None = None
+        self._serving = True
         try:
             done, _ = await asyncio.wait([producer, stopping, *helpers],
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -329,15 +342,19 @@ class Worker:
                     failure = t.exception() or RuntimeError(f"{t.get_name()} ended")
                     log.error("worker component %s failed; shutting down", t.get_name(),
                               exc_info=failure)
+            self._serving = False
             await self._stop_producer(producer)
             await self._drain()
         finally:
+            self._serving = False
             stopping.cancel()
             for t in helpers:
                 t.cancel()
             await asyncio.gather(*helpers, stopping, return_exceptions=True)
             self._heartbeat_thread.stop()
             self._maintenance.stop()
+            # it removes this worker's registry row as it ends
+            await asyncio.to_thread(self._maintenance.join, MAINTENANCE_STOP_TIMEOUT)
             await self._executor.close()
             log.info("worker %s stopped: %s", self.name, self.stats)
         if failure is not None:
@@ -357,6 +374,34 @@ class Worker:
             producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
 
+    def status(self) -> dict[str, Any]:
+        """For health checks (any thread): ``serving`` (started and not stopping),
+        ``listening`` (notifications reach the worker; else it only polls), and ``loop`` (its
+        event loop once it runs, else None)."""
+        return {"serving": self._serving and not self._stopping.is_set(),
+                "listening": self._listening, "loop": self._loop}
+
+    def _listener_connected(self) -> None:
+        self._listening = True
+        self._producer.mark_all_due()
+
+    def _listener_lost(self) -> None:
+        self._listening = False
+
+    def gauges(self) -> dict[str, int]:
+        """What the worker holds now: ``running`` (jobs whose handler runs, a stuck thread's
+        included), ``buffered`` (claimed ahead, waiting for a slot), ``outcomes_pending``
+        (waiting to be written) and ``concurrency``. Safe to call from any thread (a
+        snapshot, possibly a moment old)."""
+        slots = self._slots
+        return {"running": slots.busy(), "buffered": len(slots.ready),
+                "outcomes_pending": len(self._completer), "concurrency": self.concurrency}
+
+    def pool_gauges(self) -> dict[tuple[str, str], int]:
+        """Connections of the handlers' pools (which open only for tasks with their own
+        transaction): (``sync`` or ``async``, ``open`` or ``idle``) -> count."""
+        return self._executor.pool_gauges()
+
     def _check_task_leases(self) -> None:
         for task in self.app.tasks.values():
             if task.lease is not None and not task.lease > 2 * (self.heartbeat or 0):
@@ -370,7 +415,8 @@ class Worker:
         the rest, flush the outcomes."""
         slots = self._slots
         for job in slots.ready.values():
-            self._completer.submit(Outcome(job.id, job.lease_version, job.queue, "release"))
+            self._completer.submit(Outcome(job.id, job.lease_version, job.queue, "release",
+                                           job=job))
         slots.ready.clear()
         if slots.busy():
             log.info("waiting up to %.1fs for %d running jobs", self.shutdown_grace,
@@ -387,7 +433,7 @@ class Worker:
                 log.warning("job %s ignored cancellation; releasing it", r.job.id)
                 slots.running.pop(r.job.id, None)
                 self._completer.submit(Outcome(r.job.id, r.job.lease_version, r.job.queue,
-                                               "release"))
+                                               "release", job=r.job))
         try:
             await asyncio.wait_for(self._completer.flush(), timeout=max(self.shutdown_grace, 5.0))
         except TimeoutError:

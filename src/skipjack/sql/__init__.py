@@ -1,10 +1,11 @@
 """Every SQL statement skipjack runs, grouped by stage of a job's life.
 
 The statements are templates in the modules of this package (``enqueue``, ``claim``,
-``outcomes``, ``maintenance``, ``admin``, ``cron``, ``schema``), in which ``{schema}`` stands
-for the quoted schema name; values are always bound parameters (``%(name)s``), never
-interpolated. :class:`Queries` renders them for one schema, each on first use, as UTF-8 bytes,
-so running a statement costs no re-rendering (psycopg then caches its parse of the text).
+``outcomes``, ``maintenance``, ``admin``, ``cron``, ``workers``, ``schema``), in which
+``{schema}`` stands for the quoted schema name; values are always bound parameters
+(``%(name)s``), never interpolated. :class:`Queries` renders them for one schema, each on first
+use, as UTF-8 bytes, so running a statement costs no re-rendering (psycopg then caches its
+parse of the text).
 
 Fencing: every write about a claimed job (complete, retry, discard, release, heartbeat,
 rescue) matches ``state = 'running' AND lease_version = <token read at claim>``. A write that
@@ -27,7 +28,7 @@ from typing import overload
 
 from psycopg import sql
 
-from . import admin, claim, cron, enqueue, maintenance, outcomes, schema
+from . import admin, claim, cron, enqueue, maintenance, outcomes, schema, workers
 
 
 def render(template: str, schema: str, **literals: object) -> sql.Composed:
@@ -125,6 +126,8 @@ class Queries:
     # operators
     STATS = Statement(admin.STATS)
     QUEUE_DEPTH = Statement(admin.QUEUE_DEPTH)
+    QUEUE_GAUGES = Statement(admin.QUEUE_GAUGES)
+    ESTIMATED_ROWS = Statement(admin.ESTIMATED_ROWS)
     OLDEST_RUNNABLE = Statement(admin.OLDEST_RUNNABLE)
     LIST_JOBS = Statement(admin.LIST_JOBS)
     GET_JOB = Statement(admin.GET_JOB)
@@ -136,6 +139,12 @@ class Queries:
     SET_LIMITS = Statement(admin.SET_LIMITS)
     LIST_QUEUES = Statement(admin.LIST_QUEUES)
     RETRY_DISCARDED = Statement(admin.RETRY_DISCARDED)
+
+    # the live worker registry
+    REGISTER_WORKER = Statement(workers.REGISTER_WORKER)
+    UNREGISTER_WORKER = Statement(workers.UNREGISTER_WORKER)
+    EXPIRE_WORKERS = Statement(workers.EXPIRE_WORKERS)
+    LIST_WORKERS = Statement(workers.LIST_WORKERS)
 
     # cron
     CRON_LAST_SLOT = Statement(cron.CRON_LAST_SLOT)

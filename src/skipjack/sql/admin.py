@@ -12,6 +12,27 @@ SELECT queue, state, count(*) FROM {schema}.jobs
  WHERE state IN ('scheduled', 'available', 'running') GROUP BY queue, state ORDER BY 1, 2
 """
 
+# The waiting, running and dead-letter jobs per queue for metrics: one count per state, each
+# on the partial index of its state (jobs_scheduled_idx, jobs_claim_idx, jobs_running_idx,
+# jobs_discarded_idx), so succeeded history is never read.
+QUEUE_GAUGES = """
+SELECT queue, 'scheduled' AS state, count(*) FROM {schema}.jobs
+ WHERE state = 'scheduled' GROUP BY queue
+UNION ALL
+SELECT queue, 'available', count(*) FROM {schema}.jobs WHERE state = 'available' GROUP BY queue
+UNION ALL
+SELECT queue, 'running', count(*) FROM {schema}.jobs WHERE state = 'running' GROUP BY queue
+UNION ALL
+SELECT queue, 'discarded', count(*) FROM {schema}.jobs WHERE state = 'discarded' GROUP BY queue
+"""
+
+# The planner's estimate of the table's rows (history included), for free.
+ESTIMATED_ROWS = """
+SELECT greatest(c.reltuples, 0)::bigint FROM pg_class AS c
+  JOIN pg_namespace AS n ON n.oid = c.relnamespace
+ WHERE n.nspname = %(schema)s AND c.relname = 'jobs'
+"""
+
 OLDEST_RUNNABLE = """
 SELECT queue, extract(epoch FROM now() - min(run_at))::float8 AS age_seconds
   FROM {schema}.jobs

@@ -62,7 +62,7 @@ RETURNING j.id, j.queue, j.task,
           CASE WHEN j.args_bytes <= %(inline_bytes)s THEN j.args END AS args,
           j.priority, j.attempt, j.max_attempts, j.lease_version, j.created_at, j.run_at,
           j.attempted_at, j.idempotency_key,
-          greatest(coalesce(j.lease_seconds, %(lease)s), %(min_lease)s) AS lease
+          greatest(coalesce(j.lease_seconds, %(lease)s), %(min_lease)s) AS lease, j.metadata
 """
 
 
@@ -172,7 +172,7 @@ UPDATE {schema}.jobs AS j
        errors = j.errors || jsonb_build_array(%(error)s::jsonb
                                               || jsonb_build_object('at', now()))
  WHERE j.id = %(id)s AND j.state = 'available' AND j.attempt = %(attempt)s - 1
-RETURNING j.id, j.state
+RETURNING j.id, j.state, j.run_at
 """
 
 # The same job claimed again before that count: its error is added for people to see.

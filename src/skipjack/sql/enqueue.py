@@ -13,13 +13,14 @@ from __future__ import annotations
 # shorter arrays to build, bind and unnest (10,000 jobs of one task: 42 ms instead of 59 to
 # build the values and run the statement). Rows are inserted in array order (WITH ORDINALITY
 # + ORDER BY), so identity values grow in input order. Delays are seconds, added to the
-# database clock; a job due later waits in 'scheduled'.
+# database clock; a job due later waits in 'scheduled'. metadata (JSON text, or NULL) is one
+# value for every job of the call: what hooks attach to them (skipjack.hooks.EnqueueCall).
 _INSERT_MANY = """
 INSERT INTO {schema}.jobs (queue, task, args, args_bytes, priority, max_attempts, run_at, state,
-                           idempotency_key, unique_states, lease_seconds)
+                           idempotency_key, unique_states, lease_seconds, metadata)
 SELECT x.queue, x.task, x.args::jsonb, octet_length(x.args), x.priority, x.max_attempts,
        x.at, CASE WHEN x.at > now() THEN 'scheduled' ELSE 'available' END,
-       x.idempotency_key, x.unique_states, x.lease_seconds
+       x.idempotency_key, x.unique_states, x.lease_seconds, %(metadata)s::jsonb
   FROM (SELECT u.ord, u.args,
                coalesce(u.queue, %(same_queue)s::text) AS queue,
                coalesce(u.task, %(same_task)s::text) AS task,
@@ -43,11 +44,12 @@ SELECT x.queue, x.task, x.args::jsonb, octet_length(x.args), x.priority, x.max_a
 # The same for one job: a single row is cheaper to plan and run than unnest of ten arrays.
 _INSERT_ONE = """
 INSERT INTO {schema}.jobs (queue, task, args, args_bytes, priority, max_attempts, run_at, state,
-                           idempotency_key, unique_states, lease_seconds)
+                           idempotency_key, unique_states, lease_seconds, metadata)
 SELECT %(queue)s, %(task)s, x.args::jsonb, octet_length(x.args),
        %(priority)s::smallint, %(max_attempts)s::int,
        x.at, CASE WHEN x.at > now() THEN 'scheduled' ELSE 'available' END,
-       %(idempotency_key)s::text, %(unique_states)s::smallint, %(lease_seconds)s::float8
+       %(idempotency_key)s::text, %(unique_states)s::smallint, %(lease_seconds)s::float8,
+       %(metadata)s::jsonb
   FROM (SELECT %(args)s::text AS args,
                coalesce(%(run_at)s::timestamptz,
                         now() + make_interval(secs => coalesce(%(delay)s::float8, 0))) AS at

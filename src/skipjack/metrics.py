@@ -1,0 +1,339 @@
+"""Prometheus metrics (the optional extra ``skipjack[prometheus]``, which installs
+``prometheus_client``).
+
+Two sources, each served over HTTP for Prometheus to scrape:
+
+- a worker's own counters, histograms and gauges: :class:`MetricsHook` (a
+  :class:`~skipjack.hooks.Hook`, so enqueues of a web process are counted too) and
+  :func:`serve_worker` (``skipjack worker --metrics-port``);
+- the queue as the database holds it, whichever workers run: :class:`QueueCollector`
+  (``skipjack metrics --port``).
+
+Worker metrics (``queue`` and ``task`` labels; ``outcome`` is one of succeeded, retried,
+discarded, cancelled, snoozed, released, lost, stale: see :class:`skipjack.hooks.Attempt`):
+
+=========================================  ================================================
+``skipjack_jobs_enqueued_total``           jobs created by enqueue calls of this process
+                                           (an idempotency key that matched an existing
+                                           job creates none)
+``skipjack_jobs_started_total``            attempts whose handler started
+``skipjack_jobs_total{outcome}``           attempts by what became of them
+``skipjack_job_failures_total{error}``     attempts whose handler raised (``error``: the
+                                           exception's class name), retried or discarded
+``skipjack_job_start_latency_seconds``     histogram: from when the job became runnable
+                                           (its enqueue, or its ``run_at``) to its claim,
+                                           on the database clock
+``skipjack_job_run_seconds``               histogram: how long handlers ran
+``skipjack_worker_running``                jobs running now (``worker`` label)
+``skipjack_worker_buffered``               jobs claimed ahead, waiting for a slot
+``skipjack_worker_outcomes_pending``       outcomes waiting to be written
+``skipjack_worker_concurrency``            the worker's slots
+``skipjack_worker_pool_connections``       connections of the handlers' pools (``pool``:
+                                           sync or async; ``status``: open or idle)
+=========================================  ================================================
+
+Queue metrics (see :class:`QueueCollector`): ``skipjack_queue_jobs{queue,state}`` for
+scheduled, available, running and discarded (the dead letter) jobs,
+``skipjack_queue_oldest_runnable_seconds{queue}``, ``skipjack_queue_paused{queue}``,
+``skipjack_queue_concurrency_limit{queue}``, ``skipjack_queue_rate_limit{queue}`` (starts
+per ``skipjack_queue_rate_period_seconds``), ``skipjack_workers`` (live workers) and
+``skipjack_jobs_estimated_rows`` (the whole table, history included, as the planner
+estimates it). No label holds a job id or any other unbounded value.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .context import Job
+from .hooks import Attempt, EnqueueCall, Hook
+
+if TYPE_CHECKING:
+    from .admin import Admin
+    from .runtime.worker import Worker
+
+# Bucket bounds, in seconds: from a millisecond (a claim right after an enqueue, a no-op
+# handler) to an hour (a backlog, a long export).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+RUN_BUCKETS = LATENCY_BUCKETS
+
+# The seconds QueueCollector keeps a summary before it reads the database again.
+QUEUE_CACHE_SECONDS = 10.0
+
+
+class _Metrics:
+    """The worker metrics, registered once per registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.enqueued = Counter("skipjack_jobs_enqueued", "Jobs created by enqueue calls.",
+                                ["queue", "task"], registry=registry)
+        self.started = Counter("skipjack_jobs_started", "Attempts whose handler started.",
+                               ["queue", "task"], registry=registry)
+        self.ended = Counter("skipjack_jobs", "Attempts by what became of them.",
+                             ["queue", "task", "outcome"], registry=registry)
+        self.failures = Counter("skipjack_job_failures",
+                                "Attempts whose handler raised, by exception class.",
+                                ["queue", "task", "error"], registry=registry)
+        self.latency = Histogram("skipjack_job_start_latency_seconds",
+                                 "From when a job became runnable to its claim.",
+                                 ["queue", "task"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.run = Histogram("skipjack_job_run_seconds", "How long handlers ran.",
+                             ["queue", "task"], buckets=RUN_BUCKETS, registry=registry)
+        self.workers = _WorkerCollector()
+        registry.register(self.workers)
+        # label values -> child, so that the hot path skips prometheus_client's label checks
+        self.children: dict[tuple[str, ...], Any] = {}
+
+
+_BY_REGISTRY: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = \
+    weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def _metrics(registry: CollectorRegistry) -> _Metrics:
+    with _LOCK:
+        found = _BY_REGISTRY.get(registry)
+        if found is None:
+            found = _BY_REGISTRY[registry] = _Metrics(registry)
+        return found
+
+
+class MetricsHook(Hook):
+    """Counts enqueues and attempts into Prometheus metrics (see :mod:`skipjack.metrics`).
+
+    Args:
+        registry: where the metrics are registered (default: prometheus_client's global
+            ``REGISTRY``, which ``start_http_server`` serves). Several hooks on one registry
+            share its metrics.
+    """
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.registry = registry
+        self._m = _metrics(registry)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (str(id(metric)), *labels)
+        child = self._m.children.get(key)
+        if child is None:
+            child = self._m.children[key] = metric.labels(*labels)
+        return child
+
+    def enqueue(self, call: EnqueueCall) -> AbstractContextManager[object]:
+        return _CountEnqueued(self, call)
+
+    def run(self, job: Job) -> None:
+        m = self._m
+        self._child(m.started, job.queue, job.task).inc()
+        wait = (job.attempted_at - max(job.run_at, job.created_at)).total_seconds()
+        self._child(m.latency, job.queue, job.task).observe(max(wait, 0.0))
+        return None
+
+    def ended(self, attempt: Attempt) -> None:
+        m, job = self._m, attempt.job
+        self._child(m.ended, job.queue, job.task, attempt.outcome).inc()
+        if attempt.duration is not None:
+            self._child(m.run, job.queue, job.task).observe(attempt.duration)
+        if attempt.failed:
+            self._child(m.failures, job.queue, job.task,
+                        type(attempt.error).__name__).inc()
+
+    def watch(self, worker: Worker) -> None:
+        """Serve ``worker``'s gauges (running, buffered, outcomes pending, pools) with these
+        metrics, for as long as the worker object lives."""
+        self._m.workers.add(worker)
+
+
+class _CountEnqueued:
+    """Counts the jobs a successful enqueue call created, by queue and task."""
+
+    def __init__(self, hook: MetricsHook, call: EnqueueCall) -> None:
+        self._hook = hook
+        self._call = call
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        call = self._call
+        if exc is not None or call.ids is None:
+            return
+        counts: dict[tuple[str, str], int] = {}
+        for spec, job_id in zip(call.jobs, call.ids, strict=False):
+            if job_id in call.inserted:
+                key = (spec.queue, spec.task)
+                counts[key] = counts.get(key, 0) + 1
+        for (queue, task), n in counts.items():
+            self._hook._child(self._hook._m.enqueued, queue, task).inc(n)
+
+
+class _WorkerCollector(Collector):
+    """The gauges of the workers being watched, read at each scrape."""
+
+    def __init__(self) -> None:
+        self._workers: dict[int, weakref.ref[Worker]] = {}  # (a Worker is not hashable)
+
+    def add(self, worker: Worker) -> None:
+        self._workers[id(worker)] = weakref.ref(worker)
+
+    def _alive(self) -> list[Worker]:
+        alive = []
+        for key, ref in list(self._workers.items()):
+            worker = ref()
+            if worker is None:
+                self._workers.pop(key, None)
+            else:
+                alive.append(worker)
+        return alive
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = {
+            name: GaugeMetricFamily(f"skipjack_worker_{name}", text, labels=["worker"])
+            for name, text in (("running", "Jobs running now."),
+                               ("buffered", "Jobs claimed ahead, waiting for a slot."),
+                               ("outcomes_pending", "Outcomes waiting to be written."),
+                               ("concurrency", "The worker's slots."))}
+        pools = GaugeMetricFamily("skipjack_worker_pool_connections",
+                                  "Connections of the handlers' pools.",
+                                  labels=["worker", "pool", "status"])
+        for worker in self._alive():
+            gauges = worker.gauges()
+            for name, family in families.items():
+                family.add_metric([worker.name], gauges[name])
+            for (pool, status), value in worker.pool_gauges().items():
+                pools.add_metric([worker.name, pool, status], value)
+        yield from families.values()
+        yield pools
+
+
+def serve_worker(worker: Worker, port: int, host: str = "0.0.0.0",
+                 registry: CollectorRegistry = REGISTRY) -> Any:
+    """Count ``worker``'s app's enqueues and attempts (adding a :class:`MetricsHook` unless
+    the app has one on ``registry``), and serve them with the worker's gauges at
+    ``http://host:port/metrics`` from a daemon thread.
+
+    Args:
+        worker: the worker (its ``app`` gets the hook).
+        port: TCP port, 1..65535 (0: any free one, see the returned server).
+        host: address to listen on (default every interface, for Prometheus to reach).
+        registry: the registry to serve.
+
+    Returns:
+        The HTTP server (``server.server_port`` is the port; ``server.shutdown()`` stops it).
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    hook = next((h for h in worker.app.hooks
+                 if isinstance(h, MetricsHook) and h.registry is registry), None)
+    if hook is None:
+        hook = MetricsHook(registry)
+        worker.app.add_hook(hook)
+    hook.watch(worker)
+    server, _thread = start_http_server(port, host, registry=registry)
+    return server
+
+
+class QueueCollector(Collector):
+    """Queue-level gauges read from the database (see :mod:`skipjack.metrics`), through
+    :meth:`skipjack.admin.Admin.queue_summary`: every count comes from the partial index of
+    its state, so a scrape costs in proportion to the waiting, running and discarded jobs,
+    never to the succeeded history. A summary is kept ``cache_seconds`` and shared by the
+    scrapes in that time; scrapes never read the database more often.
+
+    Args:
+        app: the application (an :class:`~skipjack.App`) whose database is read.
+        cache_seconds: seconds a summary is reused (>= 0).
+
+    If the database cannot be read, the scrape reports ``skipjack_up 0`` and no other
+    gauge (and 1 with them when it can).
+    """
+
+    def __init__(self, app: Admin, cache_seconds: float = QUEUE_CACHE_SECONDS) -> None:
+        self._app = app
+        self._cache_seconds = cache_seconds
+        self._lock = threading.Lock()
+        self._summary: dict[str, Any] | None = None
+        self._read_at = float("-inf")
+
+    def _read(self) -> dict[str, Any] | None:
+        with self._lock:
+            now = time.monotonic()
+            if self._summary is None or now - self._read_at >= self._cache_seconds:
+                try:
+                    self._summary = self._app.queue_summary()
+                except psycopg.Error:
+                    self._summary = None
+                self._read_at = now
+            return self._summary
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        summary = self._read()
+        up = GaugeMetricFamily("skipjack_up", "Whether the database could be read.")
+        up.add_metric([], 0 if summary is None else 1)
+        yield up
+        if summary is None:
+            return
+        depth = GaugeMetricFamily("skipjack_queue_jobs", "Jobs per queue and state "
+                                  "(scheduled, available, running, discarded).",
+                                  labels=["queue", "state"])
+        for queue, states in sorted(summary["depth"].items()):
+            for state in ("scheduled", "available", "running", "discarded"):
+                depth.add_metric([queue, state], states.get(state, 0))
+        yield depth
+        oldest = GaugeMetricFamily("skipjack_queue_oldest_runnable_seconds",
+                                   "Age of the oldest runnable job per queue.",
+                                   labels=["queue"])
+        for queue, age in sorted(summary["oldest_runnable_seconds"].items()):
+            oldest.add_metric([queue], max(float(age), 0.0))
+        yield oldest
+        paused = GaugeMetricFamily("skipjack_queue_paused", "1 for a paused queue.",
+                                   labels=["queue"])
+        concurrency = GaugeMetricFamily("skipjack_queue_concurrency_limit",
+                                        "A queue's concurrency limit.", labels=["queue"])
+        rate = GaugeMetricFamily("skipjack_queue_rate_limit",
+                                 "A queue's rate limit: starts per period.", labels=["queue"])
+        period = GaugeMetricFamily("skipjack_queue_rate_period_seconds",
+                                   "The period of a queue's rate limit.", labels=["queue"])
+        for row in summary["queues"]:
+            paused.add_metric([row["name"]], 1 if row["paused"] else 0)
+            if row["concurrency_limit"] is not None:
+                concurrency.add_metric([row["name"]], row["concurrency_limit"])
+            if row["rate_limit"] is not None:
+                rate.add_metric([row["name"]], row["rate_limit"])
+                period.add_metric([row["name"]], row["rate_period"])
+        yield from (paused, concurrency, rate, period)
+        workers = GaugeMetricFamily("skipjack_workers", "Live workers in the registry.")
+        workers.add_metric([], summary["workers"])
+        yield workers
+        rows = GaugeMetricFamily("skipjack_jobs_estimated_rows",
+                                 "The jobs table's rows as the planner estimates them.")
+        rows.add_metric([], summary["estimated_rows"])
+        yield rows
+
+
+def serve_queue(app: Admin, port: int, host: str = "0.0.0.0",
+                cache_seconds: float = QUEUE_CACHE_SECONDS) -> Any:
+    """Serve :class:`QueueCollector` gauges of ``app`` at ``http://host:port/metrics`` from a
+    daemon thread, on a registry of their own; returns the HTTP server (see
+    :func:`serve_worker`).
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    registry = CollectorRegistry()
+    registry.register(QueueCollector(app, cache_seconds))
+    server, _thread = start_http_server(port, host, registry=registry)
+    return server
