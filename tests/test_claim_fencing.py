@@ -38,9 +38,11 @@ def token(rows: list[tuple[Any, ...]]) -> int:
 
 def record(app: App, job_id: int, version: int, kind: str, delay: float = 0.0,
            error: str | None = None) -> list[tuple[int, str]]:
+    """(id, new state) of the rows the outcome statement wrote (its run_at left out)."""
     with app.connect() as conn:
-        return conn.execute(app.queries.RECORD_OUTCOMES, outcome_params(
+        rows = conn.execute(app.queries.RECORD_OUTCOMES, outcome_params(
             [Outcome(job_id, version, "", kind, delay, None, error)])).fetchall()
+    return [(row[0], row[1]) for row in rows]
 
 
 def heartbeat(app: App, job_id: int, version: int) -> list[tuple[int]]:
@@ -211,9 +213,9 @@ def test_heartbeat_skips_rows_locked_by_others_instead_of_waiting(app: App) -> N
     expire(app, ids[1])
     with app.connect() as completer:
         with completer.transaction():  # the completer is writing ids[1] and has not committed
-            assert completer.execute(app.queries.RECORD_OUTCOMES, outcome_params(
-                [Outcome(ids[1], versions[ids[1]], "", "complete")])).fetchall() == [
-                    (ids[1], "succeeded")]
+            written = completer.execute(app.queries.RECORD_OUTCOMES, outcome_params(
+                [Outcome(ids[1], versions[ids[1]], "", "complete")])).fetchall()
+            assert [row[:2] for row in written] == [(ids[1], "succeeded")]
             with app.connect() as conn:
                 conn.execute("SET lock_timeout = '10s'")  # the old statement waited here
                 beat = conn.execute(app.queries.HEARTBEAT, {

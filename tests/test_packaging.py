@@ -75,6 +75,17 @@ def test_importing_the_library_and_its_cli_loads_no_tool_module() -> None:
     assert _tool_modules(modules) == []
 
 
+def test_the_observability_extras_are_imported_only_when_used() -> None:
+    """Without a metrics port or a tracing hook, neither prometheus_client nor OpenTelemetry
+    is imported (they are optional extras: `pip install skipjack` does not bring them)."""
+    modules = _modules_after("import skipjack", "import skipjack.cli",
+                             "import skipjack.runtime.health")
+    assert not any(m.split(".")[0] in ("prometheus_client", "opentelemetry") for m in modules)
+    assert {"prometheus_client", "opentelemetry"} <= {
+        m.split(".")[0] for m in _modules_after("import skipjack.metrics",
+                                                "import skipjack.tracing")}
+
+
 def test_the_command_list_of_help_loads_no_tool_module() -> None:
     modules = _modules_after(
         "from skipjack.cli import main",

@@ -94,7 +94,7 @@ class _Metrics:
         self.workers = _WorkerCollector()
         registry.register(self.workers)
         # label values -> child, so that the hot path skips prometheus_client's label checks
-        self.children: dict[tuple[str, ...], Any] = {}
+        self.children: dict[tuple[object, ...], Any] = {}
 
 
 _BY_REGISTRY: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = \
@@ -124,7 +124,7 @@ class MetricsHook(Hook):
         self._m = _metrics(registry)
 
     def _child(self, metric: Any, *labels: str) -> Any:
-        key = (str(id(metric)), *labels)
+        key = (id(metric), *labels)
         child = self._m.children.get(key)
         if child is None:
             child = self._m.children[key] = metric.labels(*labels)

@@ -46,10 +46,13 @@ def _names(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
               help="Repetitions of the compared scenarios (medians are reported).")
 @click.option("--quick", is_flag=True,
               help="Seconds-long smoke run: scale 0.01, one run, short waits, no 100k drain.")
+@click.option("--metrics", is_flag=True,
+              help="Run the W2 and W4 workers with Prometheus metrics on (needs "
+                   "prometheus_client), to measure their cost against a run without.")
 @click.pass_context
 def bench(ctx: click.Context, as_json: bool, output: str | None, plot_path: str,
           no_plot: bool, compare: str, only: str, scale: float, runs: int,
-          quick: bool) -> None:
+          quick: bool, metrics: bool) -> None:
     """Benchmark skipjack (W1-W8, the SQL ceiling, memory), optionally side by side with
     other PostgreSQL queues. Each scenario runs in a schema or database of its own, dropped
     afterwards. Use --dsn on the main command for a server; else the embedded one."""
@@ -61,6 +64,7 @@ def bench(ctx: click.Context, as_json: bool, output: str | None, plot_path: str,
         scale, runs = min(scale, 0.01), 1
     logging.getLogger("skipjack").setLevel(logging.WARNING)
     settings = Settings(dsn=resolve_dsn(obj.get("dsn")), scale=scale, runs=runs, quick=quick,
+                        metrics=metrics,
                         log=lambda line: console.print(f"[dim]{escape(line)}[/]"))
     results = run_bench(settings, scenarios, peers)
     if not no_plot:

@@ -38,6 +38,8 @@ class Settings:
         scale: multiplies every job count (1.0 = the sizes in docs/performance.md).
         runs: repetitions of the compared scenarios; medians are reported.
         quick: the seconds-long smoke mode: tiny sizes, one run, short waits.
+        metrics: run skipjack's workers with Prometheus metrics on (W2, W4), to measure
+            what they cost.
         log: called with one line of progress.
     """
 
@@ -45,6 +47,7 @@ class Settings:
     scale: float = 1.0
     runs: int = 3
     quick: bool = False
+    metrics: bool = False
     log: Callable[[str], None] = field(default=lambda line: None)
 
     def n(self, full: int, minimum: int = 10) -> int:

@@ -8,13 +8,15 @@ from typing import Any
 
 from .common import Settings, drain_span, fresh_app, payload, rate, repeat, wait_for
 from .tasks import register
-from .worker_run import StateCounter, WorkerProcesses, drain_with_worker
+from .worker_run import StateCounter, WorkerProcesses, drain_with_worker, with_metrics
 
 
 def _drain_once(settings: Settings, jobs: int, concurrency: int) -> dict[str, Any]:
     with fresh_app(settings.dsn, "w2") as app:
         noop = register(app)["noop"]
         app.enqueue_many(noop.job(i=i) for i in range(jobs))
+        if settings.metrics:
+            with_metrics(app)
         drain_with_worker(app, jobs, concurrency=concurrency, timeout=60 + jobs / 200)
         done, span = drain_span(app)
     return {"jobs_per_s": rate(done, span), "seconds": round(span or 0, 3)}
@@ -47,9 +49,12 @@ def _two_ms_once(settings: Settings, jobs: int, processes: int) -> dict[str, Any
         sleep = register(app)["sleep"]
         if processes == 1:
             app.enqueue_many(sleep.job(seconds=0.002) for _ in range(jobs))
+            if settings.metrics:
+                with_metrics(app)
             drain_with_worker(app, jobs, concurrency=8, timeout=60 + jobs / 50)
         else:
-            workers = WorkerProcesses(app, processes, "--concurrency", "1")
+            workers = WorkerProcesses(app, processes, "--concurrency", "1",
+                                      metrics=settings.metrics)
             counter = StateCounter(app)
             try:
                 workers.wait_listening()

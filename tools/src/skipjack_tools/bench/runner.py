@@ -62,6 +62,7 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
     results: dict[str, Any] = {
         "skipjack_version": importlib.metadata.version("skipjack"),
         "settings": {"scale": settings.scale, "runs": settings.runs, "quick": settings.quick,
+                     "metrics": settings.metrics,
                      "scenarios": [s for s in SCENARIOS if s in only],
                      "compare": list(compare)},
         "machine": host,

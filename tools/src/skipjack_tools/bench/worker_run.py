@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,15 +79,34 @@ def drain_with_worker(app: App, jobs: int, *, concurrency: int, timeout: float,
         counter.close()
 
 
+def with_metrics(app: App) -> App:
+    """``app`` counting its attempts into Prometheus metrics (a registry of its own), as
+    ``skipjack worker --metrics-port`` does."""
+    from prometheus_client import CollectorRegistry
+
+    from skipjack.metrics import MetricsHook
+
+    app.add_hook(MetricsHook(CollectorRegistry()))
+    return app
+
+
+def _metrics_options() -> list[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return ["--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
+
+
 class WorkerProcesses:
     """``python -m skipjack worker skipjack_tools.bench.tasks:app`` child processes."""
 
-    def __init__(self, app: App, count: int, *extra: str) -> None:
+    def __init__(self, app: App, count: int, *extra: str, metrics: bool = False) -> None:
         env = {**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn}
         cmd = [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema,
                "worker", "skipjack_tools.bench.tasks:app", "--queue", QUEUE, *extra]
         self.app = app
-        self.procs = [subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+        self.procs = [subprocess.Popen([*cmd, *(_metrics_options() if metrics else [])],
+                                       env=env, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                       for _ in range(count)]
 
