@@ -126,7 +126,8 @@ def _log(level: int, o: Outcome, outcome: AttemptOutcome, run_at: datetime | Non
     """One line about the attempt, its facts also as extras."""
     job = o.job
     extra: dict[str, Any] = {"job_id": o.id, "queue": o.queue, "outcome": outcome}
-    parts = [f"job {o.id} {_VERBS[outcome]}"]
+    parts = [f"job {o.id}: stale {o.kind} rejected" if outcome == "stale"
+             else f"job {o.id} {_VERBS[outcome]}"]
     if job is not None:
         extra.update(task=job.task, attempt=job.attempt, max_attempts=job.max_attempts)
         parts.append(f": {job.task} on {job.queue}, attempt {job.attempt}/{job.max_attempts}")
@@ -153,7 +154,7 @@ def _log(level: int, o: Outcome, outcome: AttemptOutcome, run_at: datetime | Non
 _VERBS: dict[AttemptOutcome, str] = {
     "succeeded": "succeeded", "retried": "failed", "discarded": "discarded (dead letter)",
     "cancelled": "cancelled", "snoozed": "snoozed", "released": "released",
-    "lost": "lost its lease", "stale": "outcome stale",
+    "lost": "lost its lease", "stale": "stale",
 }
 
 
