@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -197,6 +198,9 @@ def test_an_enqueue_and_its_run_are_one_trace_across_processes(app: App,
             return by_id if len(by_id) == 2 else None
 
         run = wait_until(runs, timeout=60, what="two run spans")
+        # a run span ends with its handler, just before the outcome is written
+        wait_until(lambda: (app.get_job(ok_id) or {})["state"] == "succeeded", timeout=30,
+                   what="the job recorded")
     for job_id, span in sent.items():
         ctx = span.get_span_context()
         assert run[job_id]["trace_id"] == f"{ctx.trace_id:032x}"
@@ -208,7 +212,6 @@ def test_an_enqueue_and_its_run_are_one_trace_across_processes(app: App,
     assert run[str(ok_id)]["status"] == "UNSET" and run[str(ok_id)]["events"] == []
     assert run[str(doomed_id)]["status"] == "ERROR"
     assert run[str(doomed_id)]["events"] == ["exception"]
-    assert (app.get_job(ok_id) or {})["state"] == "succeeded"
 
 
 class Raising(Hook):
@@ -294,13 +297,16 @@ def test_a_hook_that_raises_everywhere_loses_no_job_or_outcome(
 def test_json_logs_parse_and_name_the_failing_task(app: App, tmp_path: Path) -> None:
     """--log-format json: every line parses as JSON; a failed job's line names its task,
     queue, attempt and exception; a success line carries its duration. With
-    skipjack.jobs=WARNING ($SKIPJACK_LOG_LEVEL) the success lines go, the failures stay."""
+    skipjack.jobs=WARNING ($SKIPJACK_LOG_LEVEL, or the worker's own --log-level) the success
+    lines go, the failures stay."""
     ok = app.task(name="ok")(lambda **kw: None)
     doomed = app.task(name="doomed", max_attempts=1)(lambda **kw: None)
-    for env, fmt in (({}, "json"), ({"SKIPJACK_LOG_LEVEL": "INFO,skipjack.jobs=WARNING"},
-                                   "json")):
+    for env, options, args in (
+            ({}, ("--log-format", "json"), ()),
+            ({"SKIPJACK_LOG_LEVEL": "INFO,skipjack.jobs=WARNING"}, ("--log-format", "json"), ()),
+            ({"quiet": "1"}, (), ("--log-format", "json", "--log-level", "skipjack.jobs=WARNING"))):
         [ok_id, doomed_id] = app.enqueue_many([ok.job(n=1), doomed.job()])
-        with observed_worker(app, tmp_path, options=("--log-format", fmt), env=env) as worker:
+        with observed_worker(app, tmp_path, *args, options=options, env=env) as worker:
             wait_until(lambda: states(app.dsn, app.schema).get("running", 0) == 0
                        and (app.get_job(doomed_id) or {}).get("state") == "discarded"  # noqa: B023
                        and (app.get_job(ok_id) or {}).get("state") == "succeeded",  # noqa: B023
@@ -415,3 +421,29 @@ def test_health_checks_answer_for_probes(app: App, tmp_path: Path) -> None:
         assert "no answer" in json.loads(body_text)["loop"]
         wait_until(lambda: http_get(base + "/livez", timeout=30)[0] == 200, timeout=60,
                    what="livez again once the loop is free")
+
+
+def test_two_workers_given_one_name_are_told_and_keep_a_row(app: App, tmp_path: Path) -> None:
+    """Two live workers with the same --name: they say so, and when one stops cleanly the
+    other's row stays (or comes back at its next refresh)."""
+    with observed_worker(app, tmp_path, "--lease", "1", "--name", "twin") as a, \
+            observed_worker(app, tmp_path, "--lease", "1", "--name", "twin") as b:
+        wait_until(lambda: "has this worker's name 'twin'" in a.log() + b.log(), timeout=60,
+                   what="the warning")
+        a.signal(signal.SIGTERM)
+        assert a.wait(60) == 0
+        wait_until(lambda: [r["pid"] for r in _workers(app)] == [b.pid], timeout=60,
+                   what="the other worker's row")
+
+
+def test_a_port_in_use_is_a_clear_error(app: App, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for option in ("--metrics-port", "--health-port"):
+            host = option.replace("port", "host")
+            with observed_worker(app, tmp_path, option, str(port), host, "127.0.0.1") as worker:
+                assert worker.wait(60) == 1
+            assert f"cannot listen on 127.0.0.1:{port}" in worker.log()
+            assert "Traceback" not in worker.log()

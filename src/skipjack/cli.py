@@ -141,6 +141,13 @@ class _Main(click.Group):
 def main(ctx: click.Context, dsn: str | None, schema: str | None, log_levels: tuple[str, ...],
          log_format: LogFormat, verbose: bool, quiet: bool) -> None:
     """skipjack: a PostgreSQL job queue built on FOR UPDATE SKIP LOCKED."""
+    _configure_logging(log_levels, log_format, verbose, quiet)
+    ctx.obj = {"dsn": dsn, "schema": schema,
+               "logging": (log_levels, log_format, verbose, quiet)}
+
+
+def _configure_logging(log_levels: tuple[str, ...], log_format: LogFormat, verbose: bool,
+                       quiet: bool) -> None:
     try:
         root, loggers = parse_levels(log_levels)
     except ValueError as exc:
@@ -148,7 +155,11 @@ def main(ctx: click.Context, dsn: str | None, schema: str | None, log_levels: tu
     if verbose or quiet:
         root = logging.DEBUG if verbose else logging.WARNING
     configure(logging.INFO if root is None else root, log_format, loggers)
-    ctx.obj = {"dsn": dsn, "schema": schema}
+
+
+def _serving(what: str, host: str, port: int) -> click.ClickException:
+    return click.ClickException(f"cannot listen on {host}:{port} for {what}: the port is in "
+                                "use, or the address is not this host's")
 
 
 @main.command()
@@ -208,6 +219,11 @@ def migrate(ctx: click.Context, lock_timeout: str, attempts: int) -> None:
               help="Serve /livez and /readyz for probes [$SKIPJACK_HEALTH_PORT; off].")
 @click.option("--health-host", default="0.0.0.0", show_default=True,
               envvar="SKIPJACK_HEALTH_HOST", help="Address the health checks listen on.")
+@click.option("--log-level", "log_levels", multiple=True, metavar="[LOGGER=]LEVEL",
+              help="As `skipjack --log-level`, added to it.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
+              help="As `skipjack --log-format`.")
+@click.option("-v", "--verbose", is_flag=True, help="As `skipjack -v`.")
 @click.pass_context
 def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurrency: int,
            batch_size: int | None, lease: float, heartbeat: float | None,
@@ -215,8 +231,13 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
            stage_interval: float, retention: str | None, discarded_retention: str | None,
            prefetch: int | None, fairness_every: int, unknown_task_grace: str, name: str,
            migrate: bool, metrics_port: int | None, metrics_host: str,
-           health_port: int | None, health_host: str) -> None:
+           health_port: int | None, health_host: str, log_levels: tuple[str, ...],
+           log_format: LogFormat | None, verbose: bool) -> None:
     """Run a worker for the tasks of MODULE:APP."""
+    if log_levels or log_format or verbose:  # the worker's own logging options
+        levels, fmt, loud, quiet = ctx.obj["logging"]
+        _configure_logging((*levels, *log_levels), log_format or fmt, loud or verbose,
+                           quiet and not verbose)
     # a stop that comes while the worker starts (nothing claimed yet) ends it quietly, with
     # status 0; once it runs, the worker's own handlers stop it gracefully
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -236,13 +257,19 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
         app.migrate()
     if metrics_port is not None:
         serve_metrics = _metrics_module().serve_worker
-        serve_metrics(w, metrics_port, metrics_host)
+        try:
+            serve_metrics(w, metrics_port, metrics_host)
+        except OSError:
+            raise _serving("metrics", metrics_host, metrics_port) from None
         logging.getLogger("skipjack.worker").info(
             "metrics at http://%s:%d/metrics", metrics_host, metrics_port)
     if health_port is not None:
         from .runtime.health import serve_health
 
-        serve_health(w, health_port, health_host)
+        try:
+            serve_health(w, health_port, health_host)
+        except OSError:
+            raise _serving("health checks", health_host, health_port) from None
         logging.getLogger("skipjack.worker").info(
             "health checks at http://%s:%d/livez and /readyz", health_host, health_port)
     w.run()
@@ -264,9 +291,10 @@ def _metrics_module() -> Any:
 
 @main.command("metrics")
 @click.option("--port", type=click.IntRange(1, 65535), default=9808, show_default=True,
-              envvar="SKIPJACK_METRICS_PORT", help="[$SKIPJACK_METRICS_PORT]")
-@click.option("--host", default="0.0.0.0", show_default=True, envvar="SKIPJACK_METRICS_HOST",
-              help="Address to listen on [$SKIPJACK_METRICS_HOST].")
+              envvar="SKIPJACK_QUEUE_METRICS_PORT", help="[$SKIPJACK_QUEUE_METRICS_PORT]")
+@click.option("--host", default="0.0.0.0", show_default=True,
+              envvar="SKIPJACK_QUEUE_METRICS_HOST",
+              help="Address to listen on [$SKIPJACK_QUEUE_METRICS_HOST].")
 @click.option("--cache", "cache_seconds", default="10s", show_default=True,
               help="How long one reading of the database serves scrapes.")
 @click.pass_context
@@ -278,7 +306,10 @@ def metrics_command(ctx: click.Context, port: int, host: str, cache_seconds: str
     app = _app(ctx)
     stop = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # for sigwait (the server thread inherits it)
-    server = _metrics_module().serve_queue(app, port, host, parse_duration(cache_seconds))
+    try:
+        server = _metrics_module().serve_queue(app, port, host, parse_duration(cache_seconds))
+    except OSError:
+        raise _serving("queue metrics", host, port) from None
     click.echo(f"serving queue metrics of schema {app.schema!r} at "
                f"http://{host}:{server.server_port}/metrics (Ctrl-C stops)", err=True)
     try:
@@ -308,7 +339,7 @@ def workers(ctx: click.Context, as_json: bool) -> None:
                       ", ".join(row["queues"]), str(row["concurrency"]), str(row["running"]),
                       row["started_at"].isoformat(timespec="seconds"),
                       row["last_seen"].isoformat(timespec="seconds"))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
 @main.command()

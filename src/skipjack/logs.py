@@ -17,6 +17,7 @@ that embeds a worker can get the same output with::
 
     logging.config.dictConfig({
         "version": 1,
+        "disable_existing_loggers": False,   # keep skipjack's loggers (already created)
         "formatters": {"json": {"()": "skipjack.logs.JsonFormatter"}},
         "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "json"}},
         "root": {"level": "INFO", "handlers": ["out"]},

@@ -30,6 +30,9 @@ discarded, cancelled, snoozed, released, lost, stale: see :class:`skipjack.hooks
 ``skipjack_worker_concurrency``            the worker's slots
 ``skipjack_worker_pool_connections``       connections of the handlers' pools (``pool``:
                                            sync or async; ``status``: open or idle)
+``skipjack_worker_rescued_total``          jobs with an expired lease (their worker
+                                           crashed or was cut off) that this worker's
+                                           rescuer returned to their queue
 =========================================  ================================================
 
 Queue metrics (see :class:`QueueCollector`): ``skipjack_queue_jobs{queue,state}`` for
@@ -43,6 +46,7 @@ estimates it). No label holds a job id or any other unbounded value.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -52,9 +56,21 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
+
+try:
+    from prometheus_client import (
+        REGISTRY,
+        CollectorRegistry,
+        Counter,
+        Histogram,
+        start_http_server,
+    )
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.registry import Collector
+except ModuleNotFoundError as missing:  # pragma: no cover - depends on the installation
+    missing.msg += (": skipjack.metrics needs prometheus_client "
+                    "(pip install 'skipjack[prometheus]')")
+    raise
 
 from .context import Job
 from .hooks import Attempt, EnqueueCall, Hook
@@ -69,8 +85,12 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 RUN_BUCKETS = LATENCY_BUCKETS
 
-# The seconds QueueCollector keeps a summary before it reads the database again.
+# The seconds QueueCollector keeps a summary before it reads the database again, and between
+# two warnings that it cannot.
 QUEUE_CACHE_SECONDS = 10.0
+FAILURE_LOG_EVERY = 60.0
+
+log = logging.getLogger("skipjack.metrics")
 
 
 class _Metrics:
@@ -198,13 +218,17 @@ class _WorkerCollector(Collector):
                 alive.append(worker)
         return alive
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         families = {
             name: GaugeMetricFamily(f"skipjack_worker_{name}", text, labels=["worker"])
             for name, text in (("running", "Jobs running now."),
                                ("buffered", "Jobs claimed ahead, waiting for a slot."),
                                ("outcomes_pending", "Outcomes waiting to be written."),
                                ("concurrency", "The worker's slots."))}
+        rescued = CounterMetricFamily("skipjack_worker_rescued",
+                                      "Jobs whose lease had expired (a worker crashed or was "
+                                      "cut off) that this worker's rescuer returned.",
+                                      labels=["worker"])
         pools = GaugeMetricFamily("skipjack_worker_pool_connections",
                                   "Connections of the handlers' pools.",
                                   labels=["worker", "pool", "status"])
@@ -214,8 +238,10 @@ class _WorkerCollector(Collector):
                 family.add_metric([worker.name], gauges[name])
             for (pool, status), value in worker.pool_gauges().items():
                 pools.add_metric([worker.name, pool, status], value)
+            rescued.add_metric([worker.name], worker.stats.rescued)
         yield from families.values()
         yield pools
+        yield rescued
 
 
 def serve_worker(worker: Worker, port: int, host: str = "0.0.0.0",
@@ -267,6 +293,8 @@ class QueueCollector(Collector):
         self._lock = threading.Lock()
         self._summary: dict[str, Any] | None = None
         self._read_at = float("-inf")
+        self._failing = False
+        self._logged_at = float("-inf")
 
     def _read(self) -> dict[str, Any] | None:
         with self._lock:
@@ -274,8 +302,16 @@ class QueueCollector(Collector):
             if self._summary is None or now - self._read_at >= self._cache_seconds:
                 try:
                     self._summary = self._app.queue_summary()
-                except psycopg.Error:
+                    if self._failing:
+                        log.info("the database can be read again")
+                    self._failing = False
+                except psycopg.Error as exc:
                     self._summary = None
+                    if not self._failing or now - self._logged_at >= FAILURE_LOG_EVERY:
+                        log.warning("cannot read the queue's state from the database: %s "
+                                    "(skipjack_up is 0)", str(exc).strip())
+                        self._logged_at = now
+                    self._failing = True
                 self._read_at = now
             return self._summary
 

@@ -26,9 +26,13 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+try:
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate, trace
+    from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+except ModuleNotFoundError as missing:  # pragma: no cover - depends on the installation
+    missing.msg += ": skipjack.tracing needs opentelemetry-api (pip install 'skipjack[otel]')"
+    raise
 
 from .context import Job
 from .errors import Snooze

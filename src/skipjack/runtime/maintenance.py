@@ -274,6 +274,10 @@ def _holder_text(holder: Sequence[Any]) -> str:
             f"idle_in_transaction_session_timeout")
 
 
+# Seconds between two warnings that another live worker has this worker's name.
+NAME_WARN_EVERY = 60.0
+
+
 class Registry:
     """This worker's row in the live worker registry (the ``workers`` table).
 
@@ -294,6 +298,7 @@ class Registry:
         self._q = queries
         self.ttl = 3 * interval + 5.0
         self._snapshot = snapshot
+        self._warned_at = float("-inf")
         self._row: dict[str, Any] = {
             "name": name, "host": socket.gethostname(), "pid": os.getpid(),
             "version": _version(), "queues": list(queues), "concurrency": concurrency,
@@ -301,15 +306,20 @@ class Registry:
 
     def __call__(self, conn: psycopg.Connection[Any]) -> None:
         running, stats = self._snapshot()
-        conn.execute(self._q.REGISTER_WORKER,
-                     {**self._row, "running": running, "stats": json.dumps(stats)})
+        other = conn.execute(self._q.REGISTER_WORKER, {**self._row, "running": running,
+                                                       "stats": json.dumps(stats)}).fetchone()
+        if other is not None and time.monotonic() - self._warned_at >= NAME_WARN_EVERY:
+            self._warned_at = time.monotonic()
+            log.warning("another live worker (host %s, pid %s) has this worker's name %r: "
+                        "give each worker its own --name (the registry shows one of them)",
+                        other[0], other[1], self._row["name"])
         for (name,) in conn.execute(self._q.EXPIRE_WORKERS).fetchall():
             log.info("worker %s is gone (its registry row expired); removed it", name,
                      extra={"worker": name})
 
     def unregister(self, conn: psycopg.Connection[Any]) -> None:
         """Remove this worker's row."""
-        conn.execute(self._q.UNREGISTER_WORKER, {"name": self._row["name"]})
+        conn.execute(self._q.UNREGISTER_WORKER, {k: self._row[k] for k in ("name", "host", "pid")})
 
 
 def _version() -> str:
@@ -343,6 +353,8 @@ class Maintenance(threading.Thread):
             cron entries.
         poll_interval: the worker's poll interval, in seconds (named by the notification
             queue's warning).
+        on_rescued: called (from this thread) with how many jobs each rescuer run returned
+            to their queue or the dead letter.
         registry: the worker's row in the live worker registry, refreshed every
             ``registry_interval`` seconds and removed when the thread ends (None: none).
 
@@ -355,6 +367,7 @@ class Maintenance(threading.Thread):
                  on_staged: Callable[[str], None],
                  cron: Callable[[psycopg.Connection[Any]], object] | None = None,
                  poll_interval: float = 5.0, registry: Registry | None = None,
+                 on_rescued: Callable[[int], None] = lambda n: None,
                  registry_interval: float = 10.0) -> None:
         super().__init__(name="skipjack-maintenance", daemon=True)
         self._db = db
@@ -366,7 +379,8 @@ class Maintenance(threading.Thread):
         self._duties = [
             Duty("stager", stage_interval,
                  lambda c: _stage_and_wake(c, db, on_staged, self._stage_skips)),
-            Duty("rescuer", rescue_interval, lambda c: rescue(c, q, skipped=self._rescue_skips)),
+            Duty("rescuer", rescue_interval,
+                 lambda c: on_rescued(len(rescue(c, q, skipped=self._rescue_skips)))),
             Duty("notification queue watch", NOTIFY_CHECK_INTERVAL,
                  NotifyQueueWatch(q, poll_interval=poll_interval)),
         ]
@@ -390,8 +404,10 @@ class Maintenance(threading.Thread):
 
     def run(self) -> None:
         backoff = ReconnectDelay()
-        tick = min(d.interval for d in self._duties)
-        while not self._stop_event.wait(tick):
+        # wake when the next duty is due (a fixed tick would delay a duty whose jittered
+        # time falls just after one by nearly a whole tick)
+        while not self._stop_event.wait(
+                max(0.0, min(d.next_at for d in self._duties) - time.monotonic())):
             for duty in self._duties:
                 if time.monotonic() < duty.next_at or self._stop_event.is_set():
                     continue

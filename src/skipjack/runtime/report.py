@@ -52,6 +52,7 @@ class WorkerStats:
     released: int = 0
     stale_writes: int = 0  # outcome writes rejected by fencing
     leases_lost: int = 0
+    rescued: int = 0  # jobs of any worker this one's rescuer found with an expired lease
 
 
 class Reporter:

@@ -249,7 +249,8 @@ class Worker:
             registry=Registry(db.queries, name=self.name, queues=self.queues,
                               concurrency=self.concurrency, interval=self.heartbeat,
                               snapshot=lambda: (self._slots.busy(), asdict(self.stats))),
-            registry_interval=self.heartbeat)
+            registry_interval=self.heartbeat,
+            on_rescued=self._count_rescued)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -356,7 +357,8 @@ class Worker:
             # it removes this worker's registry row as it ends
             await asyncio.to_thread(self._maintenance.join, MAINTENANCE_STOP_TIMEOUT)
             await self._executor.close()
-            log.info("worker %s stopped: %s", self.name, self.stats)
+            log.info("worker %s stopped: %s", self.name, self.stats,
+                     extra={"worker": self.name, **asdict(self.stats)})
         if failure is not None:
             raise failure
 
@@ -380,6 +382,9 @@ class Worker:
         event loop once it runs, else None)."""
         return {"serving": self._serving and not self._stopping.is_set(),
                 "listening": self._listening, "loop": self._loop}
+
+    def _count_rescued(self, n: int) -> None:
+        self.stats.rescued += n  # only this worker's maintenance thread writes it
 
     def _listener_connected(self) -> None:
         self._listening = True

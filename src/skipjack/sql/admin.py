@@ -53,7 +53,7 @@ SELECT id, queue, task, state, attempt, max_attempts, priority, run_at, created_
 GET_JOB = """
 SELECT id, queue, task, args, state, attempt, max_attempts, priority, run_at, created_at,
        attempted_at, finished_at, lease_expires_at, lease_version, worker, idempotency_key,
-       cancel_requested, errors, result
+       cancel_requested, errors, result, metadata
   FROM {schema}.jobs WHERE id = %(id)s
 """
 
