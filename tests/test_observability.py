@@ -447,3 +447,41 @@ def test_a_port_in_use_is_a_clear_error(app: App, tmp_path: Path) -> None:
                 assert worker.wait(60) == 1
             assert f"cannot listen on 127.0.0.1:{port}" in worker.log()
             assert "Traceback" not in worker.log()
+
+
+def test_workers_shows_names_as_text(app: App) -> None:
+    """A worker's name, host or queue with rich markup in it is shown as it is."""
+    support.query(app.dsn, "INSERT INTO {schema}.workers (name, host, pid, version, queues, "
+                  "concurrency, expires_at) VALUES ('evil[/]', '[bold]h', 1, 'v', "
+                  "ARRAY['q[/b]'], 1, now() + interval '1 hour')", schema=app.schema)
+    out = subprocess.run([sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema",
+                          app.schema, "workers"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "evil[/]" in out.stdout and "[bold]h" in out.stdout and "q[/b]" in out.stdout
+
+
+def test_a_run_span_is_made_whatever_the_stored_metadata(app: App) -> None:
+    """Metadata that is no trace context (an array, a number, a non-text value) gives a run
+    span of its own trace; the job runs as ever."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    t = app.task(name="ok")(lambda **kw: None)
+    ids = app.enqueue_many([t.job() for _ in range(4)])
+    for job_id, value in zip(ids, ['[1, 2]', '42', '{"traceparent": 5}', '{"traceparent": "x"}'],
+                             strict=True):
+        support.query(app.dsn, "UPDATE {schema}.jobs SET metadata = %s::jsonb WHERE id = %s",
+                      [value, job_id], schema=app.schema)
+    app.add_hook(TracingHook(provider))
+    worker = Worker(app, ["default"], concurrency=2, poll_interval=0.2)
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    try:
+        wait_until(lambda: states(app.dsn, app.schema) == {"succeeded": 4}, timeout=60,
+                   what="the jobs done")
+    finally:
+        worker.stop()
+        thread.join(30)
+    spans = [s for s in exporter.get_finished_spans() if s.kind.name == "CONSUMER"]
+    assert sorted(s.attributes["messaging.message.id"] for s in spans) == sorted(map(str, ids))
+    assert all(s.parent is None for s in spans)

@@ -13,6 +13,7 @@ from typing import Any
 import click
 import psycopg
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import embedded
@@ -131,8 +132,8 @@ class _Main(click.Group):
               help="Log level (DEBUG, INFO, WARNING, ERROR), or one logger's, e.g. "
                    "skipjack.jobs=WARNING to drop the line per succeeded job; repeat, or join "
                    "with commas [$SKIPJACK_LOG_LEVEL, else INFO].")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
-              envvar="SKIPJACK_LOG_FORMAT", show_default=True,
+@click.option("--log-format", type=click.Choice(["text", "json"], case_sensitive=False),
+              default="text", envvar="SKIPJACK_LOG_FORMAT", show_default=True,
               help="text, or one JSON object per line with every field of the record "
                    "[$SKIPJACK_LOG_FORMAT].")
 @click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
@@ -148,13 +149,16 @@ def main(ctx: click.Context, dsn: str | None, schema: str | None, log_levels: tu
 
 def _configure_logging(log_levels: tuple[str, ...], log_format: LogFormat, verbose: bool,
                        quiet: bool) -> None:
+    if verbose and quiet:
+        raise click.UsageError("give -v (DEBUG) or -q (warnings only), not both")
     try:
         root, loggers = parse_levels(log_levels)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--log-level") from None
     if verbose or quiet:
         root = logging.DEBUG if verbose else logging.WARNING
-    configure(logging.INFO if root is None else root, log_format, loggers)
+    fmt: LogFormat = "json" if log_format.lower() == "json" else "text"
+    configure(logging.INFO if root is None else root, fmt, loggers)
 
 
 def _serving(what: str, host: str, port: int) -> click.ClickException:
@@ -221,8 +225,8 @@ def migrate(ctx: click.Context, lock_timeout: str, attempts: int) -> None:
               envvar="SKIPJACK_HEALTH_HOST", help="Address the health checks listen on.")
 @click.option("--log-level", "log_levels", multiple=True, metavar="[LOGGER=]LEVEL",
               help="As `skipjack --log-level`, added to it.")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
-              help="As `skipjack --log-format`.")
+@click.option("--log-format", type=click.Choice(["text", "json"], case_sensitive=False),
+              default=None, help="As `skipjack --log-format`.")
 @click.option("-v", "--verbose", is_flag=True, help="As `skipjack -v`.")
 @click.pass_context
 def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurrency: int,
@@ -303,11 +307,14 @@ def metrics_command(ctx: click.Context, port: int, host: str, cache_seconds: str
     state, oldest runnable age, dead letter size, paused queues, limits, live workers) at
     http://HOST:PORT/metrics, until stopped. Counts use the partial indexes of the waiting,
     running and discarded jobs, never the history; one reading serves --cache seconds."""
+    cache = parse_duration(cache_seconds)
+    if not 0 <= cache <= 3600:  # nan fails both
+        raise click.BadParameter(f"{cache_seconds!r} must be 0 to 1h", param_hint="--cache")
     app = _app(ctx)
     stop = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # for sigwait (the server thread inherits it)
     try:
-        server = _metrics_module().serve_queue(app, port, host, parse_duration(cache_seconds))
+        server = _metrics_module().serve_queue(app, port, host, cache)
     except OSError:
         raise _serving("queue metrics", host, port) from None
     click.echo(f"serving queue metrics of schema {app.schema!r} at "
@@ -334,9 +341,10 @@ def workers(ctx: click.Context, as_json: bool) -> None:
     for col in ["name", "host", "pid", "version", "queues", "concurrency", "running",
                 "started", "last seen"]:
         table.add_column(col)
-    for row in rows:
-        table.add_row(row["name"], row["host"], str(row["pid"]), row["version"],
-                      ", ".join(row["queues"]), str(row["concurrency"]), str(row["running"]),
+    for row in rows:  # names are the workers' own: shown as text, never as markup
+        table.add_row(escape(row["name"]), escape(row["host"]), str(row["pid"]),
+                      escape(row["version"]), escape(", ".join(row["queues"])),
+                      str(row["concurrency"]), str(row["running"]),
                       row["started_at"].isoformat(timespec="seconds"),
                       row["last_seen"].isoformat(timespec="seconds"))
     Console(width=None if sys.stdout.isatty() else 200).print(table)
@@ -359,7 +367,7 @@ def stats(ctx: click.Context, as_json: bool) -> None:
         table.add_column(col, justify="left" if col == "queue" else "right")
     for queue, counts in sorted(data["queues"].items()):
         age = data["oldest_runnable_seconds"].get(queue)
-        table.add_row(queue, *(str(counts.get(s, 0)) for s in states),
+        table.add_row(escape(queue), *(str(counts.get(s, 0)) for s in states),
                       f"{age:.1f}" if age is not None else "-")
     console.print(table)
     if data["discarded"]:
@@ -368,8 +376,8 @@ def stats(ctx: click.Context, as_json: bool) -> None:
             dead.add_column(col)
         for row in data["discarded"]:
             err = (row["last_error"] or {}).get("error", "")
-            dead.add_row(str(row["id"]), row["queue"], row["task"], str(row["attempt"]),
-                         str(row["finished_at"]), err[:80])
+            dead.add_row(str(row["id"]), escape(row["queue"]), escape(row["task"]),
+                         str(row["attempt"]), str(row["finished_at"]), escape(err[:80]))
         console.print(dead)
 
 

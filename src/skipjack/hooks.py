@@ -146,6 +146,18 @@ METADATA_MAX_CHARS = 1024
 Entered = list[tuple[Hook, AbstractContextManager[object]]]
 
 
+def _storable(text: str) -> bool:
+    """Whether PostgreSQL can store ``text`` in jsonb: no NUL, valid UTF-8 (no lone
+    surrogates)."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Hooks:
     """The hooks of one app, and the one place that calls them, each call guarded so that a
     hook that raises is logged and skipped (see :mod:`skipjack.hooks`)."""
@@ -230,26 +242,36 @@ class Hooks:
             try:
                 cm.__exit__(type(exc) if exc is not None else None, exc,
                             exc.__traceback__ if exc is not None else None)
-            except Exception:
+            except BaseException as raised:
+                if method == "enqueue" and not isinstance(raised, Exception):
+                    raise  # KeyboardInterrupt in the enqueuing process is the caller's
                 self._failed(hook, method)
 
     def metadata_json(self, call: EnqueueCall) -> str | None:
         """The call's metadata as JSON text for the jobs' ``metadata`` column, or None when
         there is none. Entries that are not text, or past the limits, are left out (and the
         hook's mistake logged): the jobs are written without them."""
-        if not call.metadata:
+        metadata = call.metadata
+        if not metadata:
+            return None
+        if not isinstance(metadata, dict):
+            self._warn_once(("metadata", ""), "enqueue metadata left out: call.metadata must "
+                            "stay a dict of text, got %s", type(metadata).__name__)
             return None
         kept: dict[str, str] = {}
-        for key, value in call.metadata.items():
+        dropped: list[str] = []
+        for key, value in metadata.items():
             if (isinstance(key, str) and isinstance(value, str) and len(kept)
                     < METADATA_MAX_ENTRIES and len(key) <= METADATA_MAX_CHARS
-                    and len(value) <= METADATA_MAX_CHARS and "\x00" not in key + value):
+                    and len(value) <= METADATA_MAX_CHARS and _storable(key + value)):
                 kept[key] = value
             else:
-                self._warn_once(("metadata", key if isinstance(key, str) else "?"),
-                                "enqueue metadata %r left out: entries must be text without "
-                                "NUL, at most %d of %d characters each", key,
-                                METADATA_MAX_ENTRIES, METADATA_MAX_CHARS)
+                dropped.append(repr(key)[:80])
+        if dropped:
+            self._warn_once(("metadata", ""), "enqueue metadata %s left out: entries must be "
+                            "text without NUL or lone surrogates, at most %d of %d characters "
+                            "each (said at most once a minute)", ", ".join(dropped[:5]),
+                            METADATA_MAX_ENTRIES, METADATA_MAX_CHARS)
         return json.dumps(kept, ensure_ascii=False) if kept else None
 
     # --- run -------------------------------------------------------------------------------
@@ -292,18 +314,19 @@ class Hooks:
                 if cm is not None:
                     cm.__enter__()
                     entered.append((hook, cm))
-            except Exception:
+            except BaseException:  # in the worker: nothing of a hook's may end it
                 self._failed(hook, "run")
         return entered
 
     # --- ended -----------------------------------------------------------------------------
 
     def ended(self, attempt: Attempt) -> None:
-        """Call every hook's ``ended`` with ``attempt``."""
+        """Call every hook's ``ended`` with ``attempt`` (on the worker's event loop: even a
+        ``BaseException`` such as SystemExit from a hook is contained)."""
         for hook in self._ended:
             try:
                 hook.ended(attempt)
-            except Exception:
+            except BaseException:
                 self._failed(hook, "ended")
 
     # --- failures --------------------------------------------------------------------------

@@ -23,6 +23,7 @@ enqueue); and ``skipjack.task``, ``skipjack.attempt``, ``skipjack.max_attempts``
 
 from __future__ import annotations
 
+import asyncio
 from types import TracebackType
 from typing import Any
 
@@ -34,7 +35,7 @@ except ModuleNotFoundError as missing:  # pragma: no cover - depends on the inst
     missing.msg += ": skipjack.tracing needs opentelemetry-api (pip install 'skipjack[otel]')"
     raise
 
-from .context import Job
+from .context import Job, current_job
 from .errors import Snooze
 from .hooks import EnqueueCall, Hook
 
@@ -111,7 +112,8 @@ class _RunSpan:
 
     def __enter__(self) -> None:
         job = self._job
-        parent = propagate.extract(job.metadata or {})
+        carrier = {k: v for k, v in (job.metadata or {}).items() if isinstance(v, str)}
+        parent = propagate.extract(carrier)
         sent = trace.get_current_span(parent).get_span_context()
         span = self._tracer.start_span(
             f"process {job.queue}", context=parent, kind=SpanKind.CONSUMER,
@@ -131,7 +133,29 @@ class _RunSpan:
         if span is None:
             return
         otel_context.detach(self._token)
-        if exc is not None and not isinstance(exc, Snooze):
+        if isinstance(exc, asyncio.CancelledError):  # the worker took the job from it
+            cause = _cancel_cause()
+            span.set_attribute("skipjack.cancelled", cause)
+            if cause == "timed out":
+                error = TimeoutError(f"timed out after {_job_timeout()}")
+                span.record_exception(error)
+                span.set_status(Status(StatusCode.ERROR, f"TimeoutError: {error}"))
+        elif exc is not None and not isinstance(exc, Snooze):
             span.record_exception(exc)
             span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         span.end()
+
+
+def _cancel_cause() -> str:
+    """Why the worker took the running job from its handler (see skipjack.context)."""
+    try:
+        return current_job().cause or "shutdown"
+    except LookupError:
+        return "shutdown"
+
+
+def _job_timeout() -> str:
+    try:
+        return current_job().reason or "its timeout"
+    except LookupError:
+        return "its timeout"

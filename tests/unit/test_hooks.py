@@ -94,3 +94,25 @@ def test_only_text_metadata_within_the_limits_is_stored(caplog: pytest.LogCaptur
 def test_only_hooks_are_accepted() -> None:
     with pytest.raises(TypeError, match="a skipjack.Hook is needed"):
         Hooks([object()])  # type: ignore[list-item]
+
+
+def test_metadata_that_postgresql_cannot_store_is_left_out() -> None:
+    hooks = Hooks()
+    stored = hooks.metadata_json(EnqueueCall([], False, {"tenant": "caf\udce9", "\ud800": "x",
+                                                         "ok": "yes"}))
+    assert stored is not None and json.loads(stored) == {"ok": "yes"}
+    not_a_dict = EnqueueCall([], False)
+    not_a_dict.metadata = [("a", "b")]  # type: ignore[assignment]
+    assert hooks.metadata_json(not_a_dict) is None
+
+
+def test_an_ended_hook_cannot_end_the_worker(caplog: pytest.LogCaptureFixture) -> None:
+    from skipjack import Attempt
+
+    class Exiting(Hook):
+        def ended(self, attempt: Attempt) -> None:
+            raise SystemExit(3)
+
+    with caplog.at_level(logging.ERROR, logger="skipjack.hooks"):
+        Hooks([Exiting()]).ended(Attempt(JOB, "succeeded"))
+    assert "Exiting.ended failed" in caplog.text

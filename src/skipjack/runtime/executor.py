@@ -248,9 +248,10 @@ class Executor:
             # ours (lease lost, cancel requested, timeout, shutdown) or the handler's own; a
             # handler never ends the worker
             error = exc
+            called = task is not None and not isinstance(exc, ArgumentsError)
             outcome = decide(job, task, error=exc, cancelled=ctx.cancellation,
                              unknown_task_grace=self._unknown_task_grace,
-                             ran=time.monotonic() - started)
+                             ran=time.monotonic() - started if called else None)
         finally:
             if running.superseded:  # see buffer()
                 self._slots.stuck_threads -= 1
@@ -285,11 +286,19 @@ class Executor:
             raise ArgumentsError(problem)
         if task.timeout is None:
             return await self._call_now(running, task, args)
-        try:
-            return await asyncio.wait_for(self._call_now(running, task, args), task.timeout)
-        except TimeoutError:
+
+        def expire() -> None:
+            # the cause is set before the handler is cancelled, so that what runs as it
+            # unwinds (a hook's context) already knows it timed out
             running.ctx.cancel(f"timed out after {task.timeout}s", "timed out")
-            raise
+            if running.task is not None:
+                running.task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(task.timeout, expire)
+        try:
+            return await self._call_now(running, task, args)
+        finally:
+            timer.cancel()
 
     async def _call_now(self, running: Running, task: Task, args: dict[str, Any]) -> Any:
         """Run the handler; for transaction="complete" tasks, return whether the completion

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -49,6 +50,8 @@ class HealthServer(ThreadingHTTPServer):
 
     def __init__(self, worker: Worker, host: str, port: int,
                  timeout: float = PROBE_TIMEOUT) -> None:
+        if ":" in host:  # an IPv6 address such as "::"
+            self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
         self.worker = worker
         self.probe_timeout = timeout
@@ -91,12 +94,18 @@ class HealthServer(ThreadingHTTPServer):
         body: dict[str, Any] = {"serving": status["serving"],
                                 "listening": status["listening"]}
         app = self.worker.app
-        with self._db_lock:
+        timeout = self.probe_timeout
+        if not self._db_lock.acquire(timeout=timeout):  # a probe before this one still waits
+            body.update(database=f"no answer within {timeout:g}s", schema="unknown")
+            return False, body
+        try:
             try:
                 if self._conn is None or self._conn.closed:
-                    timeout = self.probe_timeout
-                    self._conn = psycopg.connect(
-                        app.db.dsn, autocommit=True, connect_timeout=max(1, int(timeout)),
+                    # the client gives up too (tcp_user_timeout): a server that stopped
+                    # answering must not hold the probe past its timeout
+                    self._conn = app.db.connect(
+                        connect_timeout=max(1, int(timeout)),
+                        tcp_user_timeout=int(timeout * 1000),
                         options=f"-c statement_timeout={int(timeout * 1000)}")
                 check_schema(self._conn, app.schema)
                 body.update(database="reachable", schema="current")
@@ -107,6 +116,8 @@ class HealthServer(ThreadingHTTPServer):
                     self._conn.close()
                     self._conn = None
                 body.update(database=f"unreachable: {str(exc).strip()}", schema="unknown")
+        finally:
+            self._db_lock.release()
         ready = status["serving"] and body["schema"] == "current"
         return ready, body
 

@@ -56,6 +56,10 @@ PRODUCER_STOP_TIMEOUT = 15.0
 # Seconds a stopping worker waits for its maintenance thread's step in progress to end.
 MAINTENANCE_STOP_TIMEOUT = 5.0
 
+# The longest worker name (UTF-8 bytes): it is stored on every claimed row and keys the
+# worker registry.
+NAME_MAX_BYTES = 255
+
 DAY = 86_400.0
 YEAR = 365.25 * DAY
 # The shortest poll, rescue, stage and listener health interval (seconds): shorter ones only
@@ -101,8 +105,9 @@ class Worker:
     ``listen_health_interval``) must be 0.01 s to a day, ``lease`` 0.1 s to 7 days,
     ``shutdown_grace`` 0 to a day, ``unknown_task_grace`` at most 7 days, the retentions at
     most 10 years; every setting of a count must be an int.
-        name: the worker's name stored on claimed rows (default host:pid:random). Only for
-            people: recovery never depends on it.
+        name: the worker's name stored on claimed rows and in the live worker registry
+            (default host:pid:random; printable, at most 255 bytes). Only for people:
+            recovery never depends on it.
         inline_args_bytes: args larger than this (serialised bytes) are not fetched by the
             claim but loaded just before the handler runs, and at most
             ``large_args_concurrency`` such jobs run at once, so a batch of huge payloads
@@ -166,6 +171,9 @@ class Worker:
             raise ConfigError(f"inline_args_bytes: {self.inline_args_bytes} must be >= 0")
         if "\x00" in self.name or not self.name.isprintable():
             raise ConfigError("name: must be printable text without NUL")
+        if len(self.name.encode(errors="replace")) > NAME_MAX_BYTES:
+            raise ConfigError(f"name: {len(self.name.encode(errors='replace'))} bytes, at most "
+                              f"{NAME_MAX_BYTES}")
         if not 1 <= self.concurrency <= 10_000:
             raise ConfigError(f"concurrency: {self.concurrency} is out of range 1..10000")
         if self.prefetch is None:

@@ -62,7 +62,8 @@ RETURNING j.id, j.queue, j.task,
           CASE WHEN j.args_bytes <= %(inline_bytes)s THEN j.args END AS args,
           j.priority, j.attempt, j.max_attempts, j.lease_version, j.created_at, j.run_at,
           j.attempted_at, j.idempotency_key,
-          greatest(coalesce(j.lease_seconds, %(lease)s), %(min_lease)s) AS lease, j.metadata
+          greatest(coalesce(j.lease_seconds, %(lease)s), %(min_lease)s) AS lease,
+          CASE WHEN jsonb_typeof(j.metadata) = 'object' THEN j.metadata END AS metadata
 """
 
 
