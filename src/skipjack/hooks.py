@@ -85,7 +85,7 @@ class EnqueueCall:
     inserted: frozenset[int] = frozenset()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Attempt:
     """What became of one attempt of a job, as :meth:`Hook.ended` sees it.
 

@@ -16,7 +16,8 @@ discarded, cancelled, snoozed, released, lost, stale: see :class:`skipjack.hooks
 ``skipjack_jobs_enqueued_total``           jobs created by enqueue calls of this process
                                            (an idempotency key that matched an existing
                                            job creates none)
-``skipjack_jobs_started_total``            attempts whose handler started
+``skipjack_jobs_started_total``            attempts whose handler started (counted as
+                                           each ends)
 ``skipjack_jobs_total{outcome}``           attempts by what became of them
 ``skipjack_job_failures_total{error}``     attempts whose handler raised (``error``: the
                                            exception's class name), retried or discarded
@@ -50,6 +51,7 @@ import logging
 import threading
 import time
 import weakref
+from bisect import bisect_left
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -58,21 +60,19 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 try:
-    from prometheus_client import (
-        REGISTRY,
-        CollectorRegistry,
-        Counter,
-        Histogram,
-        start_http_server,
+    from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        Metric,
     )
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.registry import Collector
 except ModuleNotFoundError as missing:  # pragma: no cover - depends on the installation
     missing.msg += (": skipjack.metrics needs prometheus_client "
                     "(pip install 'skipjack[prometheus]')")
     raise
 
-from .context import Job
 from .hooks import Attempt, EnqueueCall, Hook
 
 if TYPE_CHECKING:
@@ -83,7 +83,6 @@ if TYPE_CHECKING:
 # handler) to an hour (a backlog, a long export).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
-RUN_BUCKETS = LATENCY_BUCKETS
 
 # The seconds QueueCollector keeps a summary before it reads the database again, and between
 # two warnings that it cannot.
@@ -93,28 +92,73 @@ FAILURE_LOG_EVERY = 60.0
 log = logging.getLogger("skipjack.metrics")
 
 
-class _Metrics:
-    """The worker metrics, registered once per registry."""
+class _Series:
+    """The counts of one (queue, task) pair."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.enqueued = Counter("skipjack_jobs_enqueued", "Jobs created by enqueue calls.",
-                                ["queue", "task"], registry=registry)
-        self.started = Counter("skipjack_jobs_started", "Attempts whose handler started.",
-                               ["queue", "task"], registry=registry)
-        self.ended = Counter("skipjack_jobs", "Attempts by what became of them.",
-                             ["queue", "task", "outcome"], registry=registry)
-        self.failures = Counter("skipjack_job_failures",
-                                "Attempts whose handler raised, by exception class.",
-                                ["queue", "task", "error"], registry=registry)
-        self.latency = Histogram("skipjack_job_start_latency_seconds",
-                                 "From when a job became runnable to its claim.",
-                                 ["queue", "task"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.run = Histogram("skipjack_job_run_seconds", "How long handlers ran.",
-                             ["queue", "task"], buckets=RUN_BUCKETS, registry=registry)
+    __slots__ = ("ended", "latency", "latency_sum", "run", "run_sum", "started")
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.ended: dict[str, int] = {}
+        # a count per bucket (not cumulative), the last for +Inf
+        self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.latency_sum = 0.0
+        self.run = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.run_sum = 0.0
+
+
+class _Metrics(Collector):
+    """The worker metrics of one registry, kept in plain Python objects and turned into
+    samples at each scrape: counting an attempt costs one lock and a few increments, not
+    prometheus_client's locks per sample (its Histogram.observe alone took microseconds)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.enqueued: dict[tuple[str, str], int] = {}
+        self.series: dict[tuple[str, str], _Series] = {}
+        self.failures: dict[tuple[str, str, str], int] = {}
         self.workers = _WorkerCollector()
-        registry.register(self.workers)
-        # label values -> child, so that the hot path skips prometheus_client's label checks
-        self.children: dict[tuple[object, ...], Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            enqueued, failures = dict(self.enqueued), dict(self.failures)
+            series = {key: (s.started, dict(s.ended), list(s.latency), s.latency_sum,
+                            list(s.run), s.run_sum) for key, s in self.series.items()}
+        started = {key: v[0] for key, v in series.items()}
+        ended = {(*key, outcome): n for key, v in series.items() for outcome, n in v[1].items()}
+        for name, text, labels, values in (
+                ("skipjack_jobs_enqueued", "Jobs created by enqueue calls.",
+                 ["queue", "task"], enqueued),
+                ("skipjack_jobs_started", "Attempts whose handler started (counted as they "
+                 "end).", ["queue", "task"], started),
+                ("skipjack_jobs", "Attempts by what became of them.",
+                 ["queue", "task", "outcome"], ended),
+                ("skipjack_job_failures", "Attempts whose handler raised, by exception class.",
+                 ["queue", "task", "error"], failures)):
+            family = CounterMetricFamily(name, text, labels=labels)
+            for key, n in sorted(values.items()):
+                family.add_metric(list(key), n)
+            yield family
+        latency = {key: (v[2], v[3]) for key, v in series.items() if v[0]}
+        run = {key: (v[4], v[5]) for key, v in series.items() if v[0]}
+        for name, text, histograms in (
+                ("skipjack_job_start_latency_seconds",
+                 "From when a job became runnable to its claim.", latency),
+                ("skipjack_job_run_seconds", "How long handlers ran.", run)):
+            histogram = HistogramMetricFamily(name, text, labels=["queue", "task"])
+            for key, (counts, total_sum) in sorted(histograms.items()):
+                total, cumulative = 0, []
+                for bound, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=True):
+                    total += n
+                    cumulative.append((_le(bound), total))
+                histogram.add_metric(list(key), cumulative, total_sum)
+            yield histogram
+        yield from self.workers.collect()
+
+
+def _le(bound: float) -> str:
+    """A bucket's ``le`` label as Prometheus writes it: 0.25, 1.0, +Inf."""
+    return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
 _BY_REGISTRY: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = \
@@ -126,12 +170,18 @@ def _metrics(registry: CollectorRegistry) -> _Metrics:
     with _LOCK:
         found = _BY_REGISTRY.get(registry)
         if found is None:
-            found = _BY_REGISTRY[registry] = _Metrics(registry)
+            found = _BY_REGISTRY[registry] = _Metrics()
+            registry.register(found)
         return found
 
 
 class MetricsHook(Hook):
     """Counts enqueues and attempts into Prometheus metrics (see :mod:`skipjack.metrics`).
+
+    Every count of an attempt is taken as it ends (in :meth:`ended`), on the worker's event
+    loop: ``skipjack_jobs_started_total`` and the start latency count an attempt once its
+    handler has returned or raised (the ``skipjack_worker_running`` gauge shows the ones
+    still running).
 
     Args:
         registry: where the metrics are registered (default: prometheus_client's global
@@ -143,31 +193,31 @@ class MetricsHook(Hook):
         self.registry = registry
         self._m = _metrics(registry)
 
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._m.children.get(key)
-        if child is None:
-            child = self._m.children[key] = metric.labels(*labels)
-        return child
-
     def enqueue(self, call: EnqueueCall) -> AbstractContextManager[object]:
-        return _CountEnqueued(self, call)
-
-    def run(self, job: Job) -> None:
-        m = self._m
-        self._child(m.started, job.queue, job.task).inc()
-        wait = (job.attempted_at - max(job.run_at, job.created_at)).total_seconds()
-        self._child(m.latency, job.queue, job.task).observe(max(wait, 0.0))
-        return None
+        return _CountEnqueued(self._m, call)
 
     def ended(self, attempt: Attempt) -> None:
         m, job = self._m, attempt.job
-        self._child(m.ended, job.queue, job.task, attempt.outcome).inc()
-        if attempt.duration is not None:
-            self._child(m.run, job.queue, job.task).observe(attempt.duration)
-        if attempt.failed:
-            self._child(m.failures, job.queue, job.task,
-                        type(attempt.error).__name__).inc()
+        key = (job.queue, job.task)
+        with m.lock:
+            series = m.series.get(key)
+            if series is None:
+                series = m.series[key] = _Series()
+            series.ended[attempt.outcome] = series.ended.get(attempt.outcome, 0) + 1
+            duration = attempt.duration
+            if duration is None:
+                return
+            series.started += 1
+            wait = (job.attempted_at - max(job.run_at, job.created_at)).total_seconds()
+            if wait < 0.0:
+                wait = 0.0
+            series.latency[bisect_left(LATENCY_BUCKETS, wait)] += 1
+            series.latency_sum += wait
+            series.run[bisect_left(LATENCY_BUCKETS, duration)] += 1
+            series.run_sum += duration
+            if attempt.error is not None and attempt.outcome in ("retried", "discarded"):
+                failure = (job.queue, job.task, type(attempt.error).__name__)
+                m.failures[failure] = m.failures.get(failure, 0) + 1
 
     def watch(self, worker: Worker) -> None:
         """Serve ``worker``'s gauges (running, buffered, outcomes pending, pools) with these
@@ -178,8 +228,8 @@ class MetricsHook(Hook):
 class _CountEnqueued:
     """Counts the jobs a successful enqueue call created, by queue and task."""
 
-    def __init__(self, hook: MetricsHook, call: EnqueueCall) -> None:
-        self._hook = hook
+    def __init__(self, m: _Metrics, call: EnqueueCall) -> None:
+        self._m = m
         self._call = call
 
     def __enter__(self) -> None:
@@ -195,14 +245,16 @@ class _CountEnqueued:
             if job_id in call.inserted:
                 key = (spec.queue, spec.task)
                 counts[key] = counts.get(key, 0) + 1
-        for (queue, task), n in counts.items():
-            self._hook._child(self._hook._m.enqueued, queue, task).inc(n)
+        with self._m.lock:
+            for key, n in counts.items():
+                self._m.enqueued[key] = self._m.enqueued.get(key, 0) + n
 
 
 class _WorkerCollector(Collector):
     """The gauges of the workers being watched, read at each scrape."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._workers: dict[int, weakref.ref[Worker]] = {}  # (a Worker is not hashable)
 
     def add(self, worker: Worker) -> None:
