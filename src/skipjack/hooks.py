@@ -168,6 +168,9 @@ class Hooks:
         self._run: list[Hook] = []
         self._ended: list[Hook] = []
         self._failures: dict[tuple[int, str], float] = {}  # (hook id, method) -> last logged
+        # whether any hook runs around enqueues, around handlers, after attempts (plain
+        # attributes: read for every job)
+        self.on_enqueue = self.on_run = self.on_ended = False
         for hook in hooks:
             self.add(hook)
 
@@ -184,26 +187,19 @@ class Hooks:
         kind = type(hook)
         if kind.enqueue is not Hook.enqueue:
             self._enqueue.append(hook)
+            self.on_enqueue = True
         if kind.run is not Hook.run:
             self._run.append(hook)
+            self.on_run = True
         if kind.ended is not Hook.ended:
             self._ended.append(hook)
+            self.on_ended = True
 
     def __iter__(self) -> Iterator[Hook]:
         return iter(self._all)
 
     def __len__(self) -> int:
         return len(self._all)
-
-    @property
-    def on_enqueue(self) -> bool:
-        """Whether any hook runs around enqueues."""
-        return bool(self._enqueue)
-
-    @property
-    def on_ended(self) -> bool:
-        """Whether any hook wants the ended attempts."""
-        return bool(self._ended)
 
     # --- enqueue ---------------------------------------------------------------------------
 

@@ -304,7 +304,8 @@ class Executor:
         """Run the handler; for transaction="complete" tasks, return whether the completion
         committed, else the handler's result."""
         ctx = running.ctx
-        fn = self._hooks.wrap(ctx.job, task.fn, running.is_async)
+        fn = self._hooks.wrap(ctx.job, task.fn, running.is_async) if self._hooks.on_run \
+            else task.fn
         q = self._db.queries
         finishing = functools.partial(self._leases.finishing, ctx.job.id, ctx.job.lease_version)
         if task.transaction == "complete":

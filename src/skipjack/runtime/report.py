@@ -70,6 +70,13 @@ class Reporter:
     def recorded(self, o: Outcome, state: str | None, run_at: datetime | None = None) -> None:
         """An outcome was written (``state``: the job's new state, ``run_at``: when it is
         runnable again) or refused by fencing (``state`` None)."""
+        if state is not None and o.kind == "complete":  # a success, the common case
+            self._stats.succeeded += 1
+            if log.isEnabledFor(logging.INFO):
+                _log(logging.INFO, o, "succeeded", None)
+            if self._hooks.on_ended and o.job is not None:
+                self._hooks.ended(Attempt(o.job, "succeeded", o.ran))
+            return
         outcome = _attempt_outcome(o, state)
         stats = self._stats
         if outcome == "stale":

@@ -19,8 +19,9 @@ from __future__ import annotations
 # cancellation was requested ends 'cancelled' instead of being retried or released.
 # Times are statement_timestamp(): in a handler's own transaction now() is its start.
 # Rows are matched on (id, lease_version, state = 'running'): stale outcomes change nothing
-# and are missing from RETURNING, which gives each written job's new state and run_at (when a
-# retried or released job becomes runnable again).
+# and are missing from RETURNING, which gives each written job's new state and, for a retry or
+# release, its run_at (when it becomes runnable again; NULL for the others, whose timestamp
+# would only cost the worker a parse per job).
 RECORD_OUTCOMES = """
 UPDATE {schema}.jobs AS j
    SET state = CASE
@@ -55,7 +56,7 @@ UPDATE {schema}.jobs AS j
   FROM json_to_recordset(%(outcomes)s::json)
        AS o(id bigint, lease_version bigint, kind text, delay float8, result text, error text)
  WHERE j.id = o.id AND j.lease_version = o.lease_version AND j.state = 'running'
-RETURNING j.id, j.state, j.run_at
+RETURNING j.id, j.state, CASE WHEN o.kind IN ('retry', 'release') THEN j.run_at END
 """
 
 # Renew the leases of a batch of running jobs (fenced). It never waits on a row lock (SKIP
