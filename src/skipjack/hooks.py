@@ -215,15 +215,7 @@ class Hooks:
 
     @contextmanager
     def _around_enqueue(self, call: EnqueueCall) -> Iterator[EnqueueCall]:
-        entered: Entered = []
-        for hook in self._enqueue:
-            try:
-                cm = hook.enqueue(call)
-                if cm is not None:
-                    cm.__enter__()
-                    entered.append((hook, cm))
-            except Exception:
-                self._failed(hook, "enqueue")
+        entered = self._enter(self._enqueue, "enqueue", call)
         try:
             yield call
         except BaseException as exc:
@@ -303,15 +295,23 @@ class Hooks:
         return hooked
 
     def _enter_run(self, job: Job) -> Entered:
+        return self._enter(self._run, "run", job)
+
+    def _enter(self, hooks: list[Hook], method: str, arg: object) -> Entered:
+        """Call ``method`` of each of ``hooks`` with ``arg`` and enter the context managers
+        they return. What a hook raises is logged and that hook skipped: any exception in
+        the worker (``run``), where nothing of a hook's may end it; an ``Exception`` in the
+        enqueuing process, whose KeyboardInterrupt is the caller's."""
+        caught = BaseException if method == "run" else Exception
         entered: Entered = []
-        for hook in self._run:
+        for hook in hooks:
             try:
-                cm = hook.run(job)
+                cm = getattr(hook, method)(arg)
                 if cm is not None:
                     cm.__enter__()
                     entered.append((hook, cm))
-            except BaseException:  # in the worker: nothing of a hook's may end it
-                self._failed(hook, "run")
+            except caught:
+                self._failed(hook, method)
         return entered
 
     # --- ended -----------------------------------------------------------------------------

@@ -96,9 +96,14 @@ class _EnqueueSpan:
         elif call.ids:
             span.set_attribute("messaging.message.id", str(call.ids[0]))
         if exc is not None:
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            _failed(span, exc)
         span.end()
+
+
+def _failed(span: trace.Span, exc: BaseException) -> None:
+    """Record ``exc`` on ``span`` and set its status to ERROR."""
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
 
 
 class _RunSpan:
@@ -137,12 +142,9 @@ class _RunSpan:
             cause = _cancel_cause()
             span.set_attribute("skipjack.cancelled", cause)
             if cause == "timed out":
-                error = TimeoutError(f"timed out after {_job_timeout()}")
-                span.record_exception(error)
-                span.set_status(Status(StatusCode.ERROR, f"TimeoutError: {error}"))
+                _failed(span, TimeoutError(_job_timeout()))
         elif exc is not None and not isinstance(exc, Snooze):
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            _failed(span, exc)
         span.end()
 
 
@@ -155,7 +157,8 @@ def _cancel_cause() -> str:
 
 
 def _job_timeout() -> str:
+    """The reason the worker gave, e.g. "timed out after 0.5s"."""
     try:
-        return current_job().reason or "its timeout"
+        return current_job().reason or "timed out"
     except LookupError:
-        return "its timeout"
+        return "timed out"

@@ -32,6 +32,13 @@ log = logging.getLogger("skipjack.jobs")
 # Characters of an exception's message in a log line (the job's errors keep 4,000).
 ERROR_LOG_CHARS = 500
 
+# The WorkerStats field each recorded outcome counts in.
+_COUNTERS: dict[AttemptOutcome, str] = {
+    "succeeded": "succeeded", "retried": "retried", "discarded": "discarded",
+    "cancelled": "cancelled", "snoozed": "snoozed", "released": "released",
+    "stale": "stale_writes",
+}
+
 _LEVELS: dict[AttemptOutcome, int] = {
     "succeeded": logging.INFO, "retried": logging.WARNING, "discarded": logging.ERROR,
     "cancelled": logging.INFO, "snoozed": logging.INFO, "released": logging.INFO,
@@ -78,21 +85,8 @@ class Reporter:
                 self._hooks.ended(Attempt(o.job, "succeeded", o.ran))
             return
         outcome = _attempt_outcome(o, state)
-        stats = self._stats
-        if outcome == "stale":
-            stats.stale_writes += 1
-        elif outcome == "succeeded":
-            stats.succeeded += 1
-        elif outcome == "retried":
-            stats.retried += 1
-        elif outcome == "discarded":
-            stats.discarded += 1
-        elif outcome == "cancelled":
-            stats.cancelled += 1
-        elif outcome == "snoozed":
-            stats.snoozed += 1
-        else:
-            stats.released += 1
+        counter = _COUNTERS[outcome]
+        setattr(self._stats, counter, getattr(self._stats, counter) + 1)
         if outcome not in ("retried", "snoozed", "released"):
             run_at = None
         self._end(o, outcome, run_at)
