@@ -1,15 +1,18 @@
 """Operating the queue: inspect jobs, cancel them, re-enqueue the dead letter, pause and limit
 queues, prune history. :class:`skipjack.App` has these methods (:class:`Admin`).
 
-:func:`prune` and :func:`notify` are also the worker's maintenance duties' own steps."""
+:func:`prune`, :func:`rollup` and :func:`notify` are also the worker's maintenance duties'
+own steps."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal
 
 import psycopg
@@ -19,6 +22,7 @@ from .cron import GRACE_MAX
 from .db import Database, channel_name
 from .errors import ValidationError
 from .jobs import QUEUE_MAX_BYTES, check_name
+from .search import JobFilter
 from .sql import Queries
 
 log = logging.getLogger("skipjack.admin")
@@ -156,6 +160,31 @@ def prune(conn: psycopg.Connection[Any], queries: Queries, *, retention: float,
     return deleted
 
 
+def rollup(conn: psycopg.Connection[Any], queries: Queries, *, runs: int = 24) -> int:
+    """Count the jobs finished since the last rollup into the per-minute ``throughput`` table
+    (up to 30 seconds ago, an hour of history per statement, at most ``runs`` statements),
+    then delete its rows older than eight days. Safe beside other rollups: one at a time
+    counts, the others return at once.
+
+    Returns:
+        The (minute, queue, state) rows written or updated.
+
+    Raises:
+        psycopg.Error: the database could not be reached or refused the statement.
+    """
+    written = 0
+    for _ in range(runs):
+        with conn.transaction():
+            row = conn.execute(queries.ROLLUP_THROUGHPUT).fetchone()
+        if row is None:  # another rollup holds the watermark
+            return written
+        written += row[2]
+        if not row[1]:  # caught up
+            break
+    conn.execute(queries.PRUNE_THROUGHPUT)
+    return written
+
+
 class Admin:
     """Methods of :class:`skipjack.App` for people and operators (mixed into App, which sets
     ``db``)."""
@@ -174,6 +203,15 @@ class Admin:
             psycopg.OperationalError: the database cannot be reached.
         """
         return self.db.connect(**kwargs)
+
+    def reading(self) -> AbstractContextManager[psycopg.Connection[Any]]:
+        """A connection for a few reads, returned (or closed) when the block ends: the app's
+        pool's (:class:`skipjack.App`), else a new one.
+
+        Raises:
+            psycopg.OperationalError: the database cannot be reached.
+        """
+        return self.connect()
 
     # --- inspection ----------------------------------------------------------------------
 
@@ -209,7 +247,7 @@ class Admin:
             ``"estimated_rows": the planner's estimate of the whole table}``.
         """
         q = self.queries
-        with self.connect() as conn:
+        with self.reading() as conn:
             depth: dict[str, dict[str, int]] = {}
             for queue, state, n in conn.execute(q.QUEUE_GAUGES).fetchall():
                 depth.setdefault(queue, {})[state] = n
@@ -225,7 +263,7 @@ class Admin:
         """The live workers (those whose registry row has not expired), oldest first: name,
         host, pid, version, queues, concurrency, running (jobs at the last refresh),
         started_at, last_seen (database clock) and stats (the worker's counters)."""
-        with self.connect() as conn:
+        with self.reading() as conn:
             cur = conn.cursor(row_factory=psycopg.rows.dict_row)
             return cur.execute(self.queries.LIST_WORKERS).fetchall()
 
@@ -247,9 +285,123 @@ class Admin:
 
     def get_job(self, job_id: int) -> dict[str, Any] | None:
         """Every column of one job, or None if there is no such job."""
-        with self.connect() as conn:
+        with self.reading() as conn:
             cur = conn.cursor(row_factory=psycopg.rows.dict_row)
             return cur.execute(self.queries.GET_JOB, {"id": job_id}).fetchone()
+
+    def search_jobs(self, where: JobFilter, *, before: int | None = None,
+                    after: int | None = None, limit: int = 50,
+                    statement_timeout: float | None = None) -> list[dict[str, Any]]:
+        """One page of the jobs matching ``where``, newest first, by keyset pagination on the
+        id (no OFFSET: each page costs the same however deep it is).
+
+        Args:
+            where: the filter (checked here).
+            before: only jobs with a smaller id (the next, older page: the last id shown).
+            after: only jobs with a larger id (the previous, newer page: the first id shown).
+            limit: rows, 1..1,000.
+            statement_timeout: seconds the search may take (None: the server's setting).
+
+        Returns:
+            Dicts with id, queue, task, state, attempt, max_attempts, priority, run_at,
+            created_at, finished_at, idempotency_key and last_error (the last error message).
+
+        Raises:
+            ValidationError: a filter field, ``before``/``after`` or ``limit`` out of range.
+            psycopg.errors.QueryCanceled: the search took longer than ``statement_timeout``.
+        """
+        params = where.check().params()
+        for name, value in (("before", before), ("after", after)):
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValidationError(name, f"{value!r} must be a job id >= 0")
+                params[name] = value
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise ValidationError("limit", f"{limit!r} must be an int in 1..1,000")
+        params["limit"] = limit
+        conditions = tuple(k for k in params if k != "limit")
+        query = self.queries.job_search(conditions, where.time,
+                                        ascending=after is not None and before is None)
+        with self.reading() as conn:
+            with conn.transaction():
+                if statement_timeout is not None:  # for this transaction only
+                    conn.execute(self.queries.SET_STATEMENT_TIMEOUT,
+                                 {"ms": f"{max(1, int(statement_timeout * 1000))}"})
+                cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+                rows = cur.execute(query, params).fetchall()
+        if after is not None and before is None:
+            rows.reverse()
+        return rows
+
+    def matching_ids(self, where: JobFilter, *, batch: int = BATCH) -> Iterator[list[int]]:
+        """The ids of the jobs matching ``where``, newest first, ``batch`` at a time, each batch
+        read when the previous one has been handled (a job that stops matching meanwhile
+        is not returned again; one that starts matching with a larger id than those already
+        returned is not seen).
+
+        Raises:
+            ValidationError: a filter field out of range.
+        """
+        params = where.check().params()
+        conditions = (*params, "before")
+        query = self.queries.job_search(conditions, where.time, ids_only=True)
+        before = 2**63 - 1
+        with self.connect() as conn:
+            while True:
+                rows = conn.execute(query, {**params, "before": before,
+                                            "limit": batch}).fetchall()
+                if not rows:
+                    return
+                ids = [r[0] for r in rows]
+                yield ids
+                before = ids[-1]
+
+    def throughput(self, span: timedelta, bucket: timedelta,
+                   queue: str | None = None) -> list[dict[str, Any]]:
+        """Finished jobs per ``bucket`` and final state over the last ``span``, from the
+        rollup that workers' maintenance keeps (:func:`rollup`; counted up to about 30 s
+        behind, so the newest bucket fills in late).
+
+        Args:
+            span, bucket: e.g. the last hour per minute; buckets are aligned to UTC.
+            queue: one queue, or None for all.
+
+        Returns:
+            Dicts with ``at`` (the bucket's start, UTC), ``state``, ``jobs``, ``started``
+            (jobs with a start latency), ``latency_sum`` and ``latency_max`` (seconds from
+            run_at to the last attempt's start).
+        """
+        with self.reading() as conn:
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            return cur.execute(self.queries.THROUGHPUT, {"span": span, "bucket": bucket,
+                                                         "queue": queue}).fetchall()
+
+    def rollup(self) -> int:
+        """Run the throughput rollup now (workers' maintenance runs it every 15 s): see
+        :func:`rollup`."""
+        with self.connect() as conn:
+            return rollup(conn, self.queries)
+
+    def job_states(self, ids: Sequence[int]) -> dict[int, tuple[str, bool]]:
+        """``{id: (state, cancel_requested)}`` for those of ``ids`` that exist."""
+        with self.reading() as conn:
+            rows = conn.execute(self.queries.JOB_STATES, {"id": list(ids)}).fetchall()
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+    def cron_history(self) -> list[dict[str, Any]]:
+        """Per cron schedule name with recorded slots: ``last_enqueued`` (the latest slot that
+        became a job, UTC) and ``missed`` (slots skipped because no scheduler ran within
+        their grace, among those still recorded)."""
+        with self.reading() as conn:
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            return cur.execute(self.queries.CRON_LIST).fetchall()
+
+    def running_jobs(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """The running jobs (at most ``limit``), by worker: id, queue, task, attempt,
+        max_attempts, attempted_at, lease_expires_at, worker, cancel_requested."""
+        with self.reading() as conn:
+            cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+            return cur.execute(self.queries.RUNNING_JOBS, {"limit": limit}).fetchall()
 
     # --- dead letter and cancellation ----------------------------------------------------
 

@@ -9,6 +9,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, overload
@@ -403,6 +404,11 @@ class App(Admin):
             await pool.open()
             self._apool = pool
         return self._apool
+
+    def reading(self) -> AbstractContextManager[psycopg.Connection[Any]]:
+        """A connection of the app's own pool for a few reads (see :meth:`Admin.reading`);
+        its transaction ends when the block does."""
+        return self._sync_pool().connection()
 
     def close(self) -> None:
         """Close the app's own connection pools (not connections handed to it)."""

@@ -326,6 +326,49 @@ def metrics_command(ctx: click.Context, port: int, host: str, cache_seconds: str
 
 
 @main.command()
+@click.argument("app_path", metavar="[MODULE:APP]", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="SKIPJACK_DASHBOARD_HOST",
+              help="Address to listen on; any but a loopback one needs credentials "
+                   "[$SKIPJACK_DASHBOARD_HOST].")
+@click.option("--port", type=click.IntRange(0, 65535), default=8700, show_default=True,
+              envvar="SKIPJACK_DASHBOARD_PORT", help="[$SKIPJACK_DASHBOARD_PORT]")
+@click.option("--read-only", is_flag=True, envvar="SKIPJACK_DASHBOARD_READ_ONLY",
+              help="Pages only: refuse every action [$SKIPJACK_DASHBOARD_READ_ONLY].")
+@click.pass_context
+def dashboard(ctx: click.Context, app_path: str | None, host: str, port: int,
+              read_only: bool) -> None:
+    """Serve the web dashboard at http://HOST:PORT/ until stopped: queues, jobs (filter,
+    retry, cancel, discard), cron schedules, workers, and enqueue by hand. Give the app
+    (MODULE:APP) to list its tasks and run its cron schedules. Credentials come from
+    $SKIPJACK_DASHBOARD_TOKEN, or $SKIPJACK_DASHBOARD_USER and $SKIPJACK_DASHBOARD_PASSWORD
+    (HTTP basic auth; with a token, any user name and the token as password)."""
+    try:
+        from . import dashboard as web
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("starlette", "jinja2", "uvicorn", "multipart",
+                            "python_multipart"):
+            raise
+        raise click.ClickException("the dashboard needs its extra: pip install "
+                                   "'skipjack[dashboard]'") from None
+    app = load_app(app_path, ctx.obj["dsn"], ctx.obj["schema"]) if app_path else _app(ctx)
+    credentials = web.Credentials.from_env()
+    if credentials is None and not web.is_loopback(host):
+        raise click.UsageError(f"--host {host}: the dashboard listens beyond this machine "
+                               "only with credentials; set SKIPJACK_DASHBOARD_TOKEN, or "
+                               "SKIPJACK_DASHBOARD_USER and SKIPJACK_DASHBOARD_PASSWORD")
+    try:
+        sock = web.listen(host, port)
+    except OSError:
+        raise _serving("the dashboard", host, port) from None
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"serving the dashboard of schema {app.schema!r} at "
+               f"http://{shown}:{sock.getsockname()[1]}/"
+               f"{' (read-only)' if read_only else ''}"
+               f"{' (sign-in required)' if credentials else ''} (Ctrl-C stops)", err=True)
+    web.serve(app, sock, read_only=read_only, credentials=credentials)
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per worker.")
 @click.pass_context
 def workers(ctx: click.Context, as_json: bool) -> None:

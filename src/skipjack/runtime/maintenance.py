@@ -4,6 +4,8 @@
 - the rescuer returns jobs whose lease expired to their queue, or to the dead letter;
 - the cron scheduler enqueues each due slot once (:func:`schedule_due`);
 - the pruner deletes finished jobs past their retention;
+- the throughput rollup counts finished jobs per minute for the dashboard's charts
+  (:func:`skipjack.admin.rollup`);
 - the notification queue's watch (:class:`NotifyQueueWatch`) warns while PostgreSQL's
   notification queue is so full that wake-ups are skipped, naming the likely cause;
 - the registry (:class:`Registry`) keeps this worker's row in the live worker registry fresh
@@ -34,7 +36,7 @@ from typing import Any
 
 import psycopg
 
-from ..admin import BATCH, notify, prune
+from ..admin import BATCH, notify, prune, rollup
 from ..app import App
 from ..cron import plan
 from ..db import Database, ReconnectDelay, channel_name, connection_lost
@@ -48,6 +50,9 @@ log = logging.getLogger("skipjack.maintenance")
 # Seconds between checks of the notification queue, and between repeats of its warning.
 NOTIFY_CHECK_INTERVAL = 5.0
 NOTIFY_WARN_EVERY = 60.0
+
+# Seconds between runs of the throughput rollup (the dashboard's charts).
+ROLLUP_INTERVAL = 15.0
 
 
 def rescue(conn: psycopg.Connection[Any], queries: Queries, limit: int = BATCH,
@@ -340,8 +345,8 @@ class Duty:
 
 
 class Maintenance(threading.Thread):
-    """Runs the stager, rescuer, cron scheduler, pruner and the notification queue's watch on
-    a connection of its own.
+    """Runs the stager, rescuer, cron scheduler, pruner, throughput rollup and the
+    notification queue's watch on a connection of its own.
 
     Args:
         db: the app's database.
@@ -383,6 +388,7 @@ class Maintenance(threading.Thread):
                  lambda c: on_rescued(len(rescue(c, q, skipped=self._rescue_skips)))),
             Duty("notification queue watch", NOTIFY_CHECK_INTERVAL,
                  NotifyQueueWatch(q, poll_interval=poll_interval)),
+            Duty("throughput rollup", ROLLUP_INTERVAL, lambda c: rollup(c, q)),
         ]
         self._registry = registry
         if registry is not None:

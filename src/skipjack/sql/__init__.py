@@ -82,6 +82,7 @@ class Queries:
 
     def __init__(self, schema: str) -> None:
         self.schema = schema
+        self._searches: dict[tuple[tuple[str, ...], str, bool, bool], bytes] = {}
 
     # enqueue
     ENQUEUE = Statement(enqueue.ENQUEUE)
@@ -122,6 +123,8 @@ class Queries:
     PRUNE_CRON = Statement(maintenance.PRUNE_CRON)
     NOTIFY_QUEUES = Statement(maintenance.NOTIFY_QUEUES)
     NOTIFY_QUEUE_STATUS = Statement(maintenance.NOTIFY_QUEUE_STATUS)
+    ROLLUP_THROUGHPUT = Statement(maintenance.ROLLUP_THROUGHPUT)
+    PRUNE_THROUGHPUT = Statement(maintenance.PRUNE_THROUGHPUT)
 
     # operators
     STATS = Statement(admin.STATS)
@@ -138,6 +141,23 @@ class Queries:
     SET_PAUSED = Statement(admin.SET_PAUSED)
     SET_LIMITS = Statement(admin.SET_LIMITS)
     LIST_QUEUES = Statement(admin.LIST_QUEUES)
+    THROUGHPUT = Statement(admin.THROUGHPUT)
+    THROUGHPUT_BY_QUEUE = Statement(admin.THROUGHPUT_BY_QUEUE)
+    RUNNING_JOBS = Statement(admin.RUNNING_JOBS)
+    SET_STATEMENT_TIMEOUT = Statement(admin.SET_STATEMENT_TIMEOUT)
+    JOB_STATES = Statement(admin.JOB_STATES)
+
+    def job_search(self, conditions: tuple[str, ...], time: str = "created", *,
+                   ids_only: bool = False, ascending: bool = False) -> bytes:
+        """A job search (see :func:`skipjack.sql.admin.job_search`) rendered for this
+        schema; each shape is rendered once."""
+        key = (conditions, time, ids_only, ascending)
+        text = self._searches.get(key)
+        if text is None:
+            template = admin.job_search(conditions, time, ids_only=ids_only,
+                                        ascending=ascending)
+            text = self._searches[key] = render(template, self.schema).as_string().encode()
+        return text
     RETRY_DISCARDED = Statement(admin.RETRY_DISCARDED)
 
     # the live worker registry

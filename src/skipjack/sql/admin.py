@@ -144,3 +144,84 @@ SELECT asked.id, r.queue, j.state, j.idempotency_key, h.id AS holder, h.state AS
           AND (o.unique_states & {schema}.state_bit(o.state)) <> 0
         ORDER BY o.id LIMIT 1) AS h ON true
 """
+
+# A search's time limit, for its transaction only (milliseconds, as text).
+SET_STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %(ms)s, true)"
+
+# Finished jobs per `bucket` (an interval) and state over the last `span`, from the throughput
+# rollup (never the jobs table), for one queue or all (NULL): jobs, how many of them have a
+# start latency, its sum and its maximum (seconds). Buckets are aligned to UTC.
+THROUGHPUT = """
+SELECT date_bin(%(bucket)s::interval, minute, timestamptz '2000-01-01 00:00Z') AS at, state,
+       sum(jobs)::bigint AS jobs, sum(started)::bigint AS started,
+       sum(latency_sum) AS latency_sum, max(latency_max) AS latency_max
+  FROM {schema}.throughput
+ WHERE minute >= statement_timestamp() - %(span)s::interval
+   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+ GROUP BY 1, 2 ORDER BY 1, 2
+"""
+
+# Finished jobs per queue and state over the last `span` (from the rollup).
+THROUGHPUT_BY_QUEUE = """
+SELECT queue, state, sum(jobs)::bigint FROM {schema}.throughput
+ WHERE minute >= statement_timestamp() - %(span)s::interval
+ GROUP BY 1, 2 ORDER BY 1, 2
+"""
+
+# The running jobs (jobs_running_idx: never the history), for the workers page.
+RUNNING_JOBS = """
+SELECT id, queue, task, attempt, max_attempts, attempted_at, lease_expires_at, worker,
+       cancel_requested
+  FROM {schema}.jobs WHERE state = 'running' ORDER BY worker, id LIMIT %(limit)s
+"""
+
+# The conditions a job search may combine (see skipjack.search.JobFilter); each is constant
+# text with bound values, ANDed in a fixed order by job_search(). The time range applies to
+# created_at or finished_at, chosen by name from TIME_COLUMNS, never from request text.
+SEARCH_CONDITIONS = {
+    "state": "state = %(state)s",
+    "queue": "queue = %(queue)s",
+    "task": "task = %(task)s",
+    "idempotency_key": "idempotency_key = %(idempotency_key)s",
+    "id": "id = %(id)s",
+    "since": "{time} >= %(since)s",
+    "until": "{time} < %(until)s",
+    "error": """EXISTS (SELECT 1 FROM jsonb_array_elements(errors) AS e
+                 WHERE strpos(lower(e ->> 'error'), lower(%(error)s)) > 0)""",
+    "before": "id < %(before)s",
+    "after": "id > %(after)s",
+}
+TIME_COLUMNS = {"created": "created_at", "finished": "finished_at"}
+
+# The page of a search: newest first (keyset pagination on the primary key: `before` for older
+# pages), or oldest first from `after` (for newer pages; the caller reverses them).
+_SEARCH_COLUMNS = """id, queue, task, state, attempt, max_attempts, priority, run_at, created_at,
+       finished_at, idempotency_key, errors -> -1 ->> 'error' AS last_error"""
+
+
+def job_search(conditions: tuple[str, ...], time: str, *, ids_only: bool = False,
+               ascending: bool = False) -> str:
+    """The template of a job search with the named :data:`SEARCH_CONDITIONS` (in their fixed
+    order; unknown names raise KeyError) and ``%(limit)s`` rows, ordered by id. Only
+    constant text goes in: every value is a bound parameter.
+
+    Args:
+        conditions: names from :data:`SEARCH_CONDITIONS`.
+        time: a key of :data:`TIME_COLUMNS` (the column the time range applies to).
+        ids_only: select only ``id`` (for bulk actions).
+        ascending: oldest first (with ``after``) instead of newest first.
+    """
+    column = TIME_COLUMNS[time]
+    where = [SEARCH_CONDITIONS[name].replace("{time}", column)
+             for name in SEARCH_CONDITIONS if name in conditions]
+    unknown = set(conditions) - SEARCH_CONDITIONS.keys()
+    if unknown:
+        raise KeyError(sorted(unknown))
+    return (f"SELECT {'id' if ids_only else _SEARCH_COLUMNS} FROM {{schema}}.jobs"
+            + (" WHERE " + " AND ".join(where) if where else "")
+            + f" ORDER BY id {'ASC' if ascending else 'DESC'} LIMIT %(limit)s")
+
+# The states of some jobs (missing: no such job), to say why an action left them alone.
+JOB_STATES = """
+SELECT id, state, cancel_requested FROM {schema}.jobs WHERE id = ANY(%(id)s::bigint[])
+"""

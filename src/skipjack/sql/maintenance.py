@@ -67,6 +67,7 @@ UPDATE {schema}.jobs AS j
        worker = NULL,
        errors = j.errors || jsonb_build_array(jsonb_build_object(
                   'attempt', j.attempt, 'at', now(), 'worker', j.worker,
+                  'started_at', j.attempted_at,
                   'error', 'lease expired: the worker stopped renewing it (crashed or stalled)'))
   FROM (SELECT s.id FROM {schema}.jobs AS s
           JOIN unnest(%(id)s::bigint[], %(lease_version)s::bigint[]) AS c(id, lease_version)
@@ -125,4 +126,48 @@ SELECT u.usage, u.usage >= {schema}.notify_queue_limit() AS skipping,
           AND pid <> pg_backend_pid()
         ORDER BY xact_start
         LIMIT 1) AS h ON true
+"""
+
+# Count the jobs that finished since the last rollup into the per-minute throughput table
+# (read on jobs_finished_idx), up to 30 seconds ago (a job's finished_at is the time of its
+# outcome statement, whose transaction commits right after it: a later-committing one would
+# be missed) and at most one hour per run; then move the watermark. One rollup runs at a time
+# (the watermark row is taken with SKIP LOCKED: another worker's run skips this turn). Returns
+# no row when another rollup holds the watermark, else the new watermark and whether more
+# is left to count.
+ROLLUP_THROUGHPUT = """
+WITH w AS (
+    SELECT through,
+           least(statement_timestamp() - interval '30 seconds',
+                 through + interval '1 hour') AS upto
+      FROM {schema}.throughput_watermark FOR UPDATE SKIP LOCKED
+), counted AS (
+    INSERT INTO {schema}.throughput AS t
+           (minute, queue, state, jobs, started, latency_sum, latency_max)
+    SELECT date_bin(interval '1 minute', j.finished_at, timestamptz '2000-01-01 00:00Z'),
+           j.queue, j.state, count(*),
+           count(*) FILTER (WHERE j.attempted_at >= j.run_at),
+           coalesce(sum(extract(epoch FROM j.attempted_at - j.run_at))
+                    FILTER (WHERE j.attempted_at >= j.run_at), 0),
+           max(extract(epoch FROM j.attempted_at - j.run_at))
+               FILTER (WHERE j.attempted_at >= j.run_at)
+      FROM {schema}.jobs AS j, w
+     WHERE j.finished_at >= w.through AND j.finished_at < w.upto
+     GROUP BY 1, 2, 3
+    ON CONFLICT (minute, queue, state) DO UPDATE
+       SET jobs = t.jobs + EXCLUDED.jobs, started = t.started + EXCLUDED.started,
+           latency_sum = t.latency_sum + EXCLUDED.latency_sum,
+           latency_max = greatest(t.latency_max, EXCLUDED.latency_max)
+    RETURNING 1
+)
+UPDATE {schema}.throughput_watermark AS m
+   SET through = greatest(w.through, w.upto)
+  FROM w
+RETURNING m.through, w.upto < statement_timestamp() - interval '30 seconds' AS behind,
+          (SELECT count(*) FROM counted) AS rows
+"""
+
+# Throughput rows past the eight days the dashboard charts.
+PRUNE_THROUGHPUT = """
+DELETE FROM {schema}.throughput WHERE minute < statement_timestamp() - interval '8 days'
 """

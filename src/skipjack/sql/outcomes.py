@@ -47,11 +47,16 @@ UPDATE {schema}.jobs AS j
                          THEN statement_timestamp()
                      END,
        lease_expires_at = NULL,
-       worker = NULL,
+       worker = CASE
+                  WHEN o.kind IN ('complete', 'discard', 'cancel') OR j.cancel_requested
+                       OR (o.kind = 'retry' AND j.attempt >= j.max_attempts)
+                    THEN j.worker  -- a finished job keeps the worker that ran it last
+                END,
        result = o.result::jsonb,
        errors = CASE WHEN o.error IS NULL THEN j.errors
                      ELSE j.errors || jsonb_build_array(o.error::jsonb
-                          || jsonb_build_object('at', statement_timestamp(), 'worker', j.worker))
+                          || jsonb_build_object('at', statement_timestamp(), 'worker', j.worker,
+                                                'started_at', j.attempted_at))
                 END
   FROM json_to_recordset(%(outcomes)s::json)
        AS o(id bigint, lease_version bigint, kind text, delay float8, result text, error text)

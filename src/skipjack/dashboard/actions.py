@@ -1,0 +1,141 @@
+"""The dashboard's job actions: retry, cancel and discard, for a selection of ids or for every
+job matching a filter, each through the same fenced and validated method of
+:class:`skipjack.App` the API offers, and an account of what each did.
+
+A retry applies only to discarded jobs (:meth:`~skipjack.App.retry_discarded_each`), a
+discard only to waiting ones (:meth:`~skipjack.App.discard`), a cancel to waiting and running
+ones (:meth:`~skipjack.App.cancel`); the others are left alone, and the account says why."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..app import App
+from ..search import JobFilter
+
+Action = Literal["retry", "cancel", "discard"]
+ACTIONS: tuple[Action, ...] = ("retry", "cancel", "discard")
+
+# The states each action may change; a filter's matches are read only in these.
+ACTS_ON: dict[Action, tuple[str, ...]] = {
+    "retry": ("discarded",),
+    "cancel": ("scheduled", "available", "running"),
+    "discard": ("scheduled", "available"),
+}
+PAST = {"retry": "retried", "cancel": "cancelled", "discard": "discarded"}
+
+# Seconds a cancel keeps trying while workers' claims hold some of a batch's rows.
+CANCEL_TIMEOUT = 5.0
+
+
+@dataclass
+class Account:
+    """What an action did: ``done`` jobs changed (``requested`` of them, for a cancel, are
+    running and were asked to stop), and the others left alone, counted by reason."""
+
+    action: Action
+    done: int = 0
+    requested: int = 0
+    left_alone: Counter[str] = field(default_factory=Counter)
+
+    def add(self, other: Account) -> None:
+        self.done += other.done
+        self.requested += other.requested
+        self.left_alone.update(other.left_alone)
+
+    def describe(self) -> str:
+        """One sentence, e.g. ``3 jobs retried; 2 left alone: 1 not discarded (succeeded),
+        1 no such job.``"""
+        done = f"{self.done} job{'s' if self.done != 1 else ''} {PAST[self.action]}"
+        if self.action == "cancel" and self.requested:
+            done += (f" ({self.requested} of them running: asked to stop at their next "
+                     "heartbeat)")
+        left = sum(self.left_alone.values())
+        if not left:
+            return done + "."
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.left_alone.items(),
+                                                                key=lambda i: -i[1]))
+        return f"{done}; {left} left alone: {reasons}."
+
+
+def _why(state: tuple[str, bool] | None, action: Action) -> str:
+    if state is None:
+        return "no such job"
+    name, cancel_requested = state
+    if action == "cancel" and name == "running" and cancel_requested:
+        return "already asked to stop"
+    if action == "cancel" and name in ACTS_ON["cancel"]:
+        return "held by a worker's open claim transaction"
+    wants = {"retry": "not discarded", "cancel": "already finished",
+             "discard": "not waiting"}[action]
+    return f"{wants} ({name})"
+
+
+def apply(app: App, action: Action, ids: Sequence[int]) -> Account:
+    """Run ``action`` on the jobs ``ids`` (at most :data:`skipjack.admin.BATCH` is
+    best; repeated ids count once).
+
+    Raises:
+        psycopg.Error: the database refused or could not be reached (a batch applied before
+            stays applied).
+    """
+    asked = list(dict.fromkeys(ids))
+    account = Account(action)
+    if not asked:
+        return account
+    if action == "retry":
+        for result in app.retry_discarded_each(asked):
+            if result.outcome == "retried":
+                account.done += 1
+            elif result.outcome == "key_held":
+                account.left_alone["idempotency key held by another job"] += 1
+            elif result.outcome == "not_found":
+                account.left_alone["no such job"] += 1
+            else:
+                account.left_alone[f"not discarded ({result.state or 'changed meanwhile'})"] += 1
+        return account
+    if action == "discard":
+        moved = set(app.discard(asked))
+        account.done = len(moved)
+        rest = [i for i in asked if i not in moved]
+        states = app.job_states(rest) if rest else {}
+        for job_id in rest:
+            account.left_alone[_why(states.get(job_id), action)] += 1
+        return account
+    before = app.job_states(asked)
+    counts = app.cancel(asked, timeout=CANCEL_TIMEOUT)
+    account.done = counts["cancelled"] + counts["requested"]
+    account.requested = counts["requested"]
+    after = app.job_states(asked)
+    for job_id in asked:
+        was, now = before.get(job_id), after.get(job_id)
+        if was is None or was[0] not in ACTS_ON["cancel"] or was == ("running", True):
+            account.left_alone[_why(was, action)] += 1
+        elif now is not None and now[0] != "cancelled" and now != ("running", True):
+            account.left_alone[_why(now, action)] += 1  # finished meanwhile, or held
+    return account
+
+
+def apply_matching(app: App, action: Action, where: JobFilter) -> Account:
+    """Run ``action`` on every job matching ``where`` in the states it applies to
+    (:data:`ACTS_ON`), a batch at a time; a filter naming another state matches none.
+
+    Raises:
+        ValidationError: a filter field out of range.
+        psycopg.Error: as :func:`apply` (the batches before stay applied).
+    """
+    account = Account(action)
+    for state in _states(action, where):
+        for ids in app.matching_ids(dataclasses.replace(where, state=state)):
+            account.add(apply(app, action, ids))
+    return account
+
+
+def _states(action: Action, where: JobFilter) -> Iterable[str]:
+    if where.state is None:
+        return ACTS_ON[action]
+    return (where.state,) if where.state in ACTS_ON[action] else ()
