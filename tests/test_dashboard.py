@@ -174,7 +174,7 @@ def test_every_page_renders_with_strict_headers(dashboard: Dashboard, dash_app: 
             assert response.headers["X-Frame-Options"] == "DENY"
             body = response.read().decode()
         assert "<script>" not in body  # no inline script anywhere
-    status, page = client.get(f"/jobs/{job_id}")
+    _, page = client.get(f"/jobs/{job_id}")
     assert "a@example.com" in page and "send_mail" in page
     _status, page = client.get("/cron")
     assert "nightly-report" in page and "0 3 * * *" in page
@@ -293,7 +293,7 @@ def test_cancel_and_discard(dashboard: Dashboard, dash_app: App) -> None:
     waiting = dash_app.enqueue_many([send_mail.job(to=f"u{i}") for i in range(3)])
     dead = discarded_jobs(dash_app, "mail", 1)
     client = Client(dashboard.url)
-    status, page = client.post("/jobs/action", [("action", "discard"),
+    _, page = client.post("/jobs/action", [("action", "discard"),
                                                 ("id", str(waiting[0])), ("id", str(dead[0]))])
     assert message(page) == "1 job discarded; 1 left alone: 1 not waiting (discarded)."
     _status, page = client.post("/jobs/action", [("action", "cancel"),
@@ -511,7 +511,7 @@ def test_mounted_under_a_path(dash_app: App) -> None:
         base = f"http://127.0.0.1:{port}"
         wait_until(lambda: http_get(base + "/ops/queue/jobs", timeout=2)[0] == 200)
         client = Client(base)
-        status, page = client.get("/ops/queue/jobs")
+        _, page = client.get("/ops/queue/jobs")
         assert f'href="{base}/ops/queue/queues"' in page
         assert f'action="{base}/ops/queue/jobs/action"' in page
         assert http_get(base + "/ops/queue/static/htmx.min.js")[0] == 200
