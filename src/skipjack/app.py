@@ -52,6 +52,10 @@ _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 CRON_NAME_MAX_BYTES = 224
 
 
+# Seconds a read waits for a connection of the app's pool.
+READ_TIMEOUT = 10.0
+
+
 @dataclass(frozen=True)
 class Task:
     """A registered task: a function plus its default job options.
@@ -407,8 +411,12 @@ class App(Admin):
 
     def reading(self) -> AbstractContextManager[psycopg.Connection[Any]]:
         """A connection of the app's own pool for a few reads (see :meth:`Admin.reading`);
-        its transaction ends when the block does."""
-        return self._sync_pool().connection()
+        its transaction ends when the block does.
+
+        Raises:
+            psycopg_pool.PoolTimeout: (an OperationalError) no connection within 10 s.
+        """
+        return self._sync_pool().connection(timeout=READ_TIMEOUT)
 
     def close(self) -> None:
         """Close the app's own connection pools (not connections handed to it)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 import psycopg
+from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
@@ -102,8 +103,18 @@ class Pages:
                        now=datetime.now(UTC), page=template.split(".")[0])
         return self.templates.TemplateResponse(request, template, context, status_code=status)
 
-    async def _read(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await run_in_threadpool(fn, *args, **kwargs)
+
+    async def _read(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A read, tried once more when its connection turns out broken (a pooled connection
+        whose server restarted, or whose backend was terminated, fails once)."""
+        try:
+            return await run_in_threadpool(fn, *args, **kwargs)
+        except (psycopg.errors.QueryCanceled, PoolTimeout):
+            raise
+        except psycopg.OperationalError:
+            return await run_in_threadpool(fn, *args, **kwargs)
 
     async def form(self, request: Request) -> FormData:
         """The POST's form, once the dashboard may act and the CSRF token is right.
@@ -221,7 +232,7 @@ class Pages:
                 return self.render(request, "confirm.html", action=action,
                                    fields=forms.filter_fields(where), back=back,
                                    acts_on=actions.ACTS_ON[action])
-            account = await self._read(actions.apply_matching, self.app, action, where)
+            account = await self._call(actions.apply_matching, self.app, action, where)
         else:
             try:
                 ids = [i for i in (forms.job_id(str(v)) for v in form.getlist("id"))
@@ -230,7 +241,7 @@ class Pages:
                 return self.done(request, str(exc), back, 400)
             if not ids:
                 return self.done(request, "no job selected: tick some jobs first", back, 400)
-            account = await self._read(actions.apply, self.app, action, ids)
+            account = await self._call(actions.apply, self.app, action, ids)
         return self.done(request, account.describe(), back)
 
     def _jobs_url(self, request: Request, where: JobFilter) -> str:
@@ -256,17 +267,17 @@ class Pages:
         action = form.get("action")
         try:
             if action == "pause":
-                await self._read(self.app.pause_queue, queue)
+                await self._call(self.app.pause_queue, queue)
                 message = f"queue {queue!r} paused: no worker claims from it until resumed"
             elif action == "resume":
-                await self._read(self.app.resume_queue, queue)
+                await self._call(self.app.resume_queue, queue)
                 message = f"queue {queue!r} resumed"
             elif action == "limits":
                 concurrency = forms.optional_int(forms.text(form, "concurrency"),
                                                  "concurrency")
                 rate = forms.optional_int(forms.text(form, "rate"), "rate")
                 period = forms.optional_seconds(forms.text(form, "period"), "period")
-                await self._read(self.app.set_queue_limits, queue, concurrency=concurrency,
+                await self._call(self.app.set_queue_limits, queue, concurrency=concurrency,
                                  rate=rate, period=period)
                 message = (f"queue {queue!r}: concurrency limit "
                            f"{concurrency if concurrency is not None else 'none'}, rate limit "
@@ -307,7 +318,7 @@ class Pages:
             return self.done(request, f"no cron schedule {name!r} in this dashboard's app "
                                       "(start it with the app: skipjack dashboard MODULE:APP)",
                              back, 404)
-        job_id = await self._read(self.app.enqueue, entry.task.job(**entry.args))
+        job_id = await self._call(self.app.enqueue, entry.task.job(**entry.args))
         return self.done(request, f"cron {name!r}: enqueued job {job_id} now (outside its "
                                   "schedule; its slots are unchanged)", back)
 
@@ -333,7 +344,7 @@ class Pages:
         values = {k: str(v) for k, v in form.items() if k != CSRF_FIELD}
         try:
             spec = self._hand_job(form)
-            job_id = await self._read(self.app.enqueue, spec)
+            job_id = await self._call(self.app.enqueue, spec)
         except (ValidationError, SkipjackError) as exc:
             return self.render(request, "enqueue.html", 400, tasks=sorted(self.app.tasks),
                                values=values, error=f"nothing enqueued: {exc}")

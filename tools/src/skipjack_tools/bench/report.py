@@ -97,6 +97,9 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     seq = sj.get("w8", {}).get("plan", {}).get("seq_scan")
     out.append(_target("W8 claim p99 with history (ms)", w8, "< 10, no Seq Scan",
                        None if w8 is None else (w8 < 10 and seq is False)))
+    d1 = dig(sj, ("dashboard", "slowest_p95_ms"))
+    out.append(_target("D1 slowest dashboard page p95 (ms)", d1, "< 200",
+                       None if d1 is None else d1 < 200))
     methods = sj.get("w6", {}).get("methods", {})
     if methods:
         dup = methods["no_lock"]["duplicate_executions"]
@@ -207,6 +210,13 @@ def _other_table(sj: dict[str, Any]) -> Table:
         pgb = ", ".join(f"-c {c}: {_fmt(v.get('jobs_per_s'), 0)}"
                         for c, v in ceiling["pgbench"].items() if isinstance(v, dict))
         t.add_row("ceiling, batches of 100 (jobs/s)", f"bare loop {bare}; pgbench {pgb}")
+    d1 = sj.get("dashboard")
+    if d1:
+        slowest = max(d1["pages_ms"].items(), key=lambda item: item[1]["p95"])
+        t.add_row("D1 dashboard pages (ms)",
+                  f"{d1['finished_jobs']:,} finished + {d1['waiting_jobs']:,} waiting: "
+                  f"slowest p95 {_fmt(slowest[1]['p95'], 1)} ({slowest[0]}), overview p50 "
+                  f"{_fmt(d1['pages_ms']['overview']['p50'], 1)}")
     mem = sj.get("memory")
     if mem:
         t.add_row("worker memory", f"peak RSS {_fmt(mem['peak_rss_mib'], 1)} MiB at "

@@ -11,12 +11,12 @@ from typing import Any
 
 import psycopg
 
-from . import ceiling, claim_methods, drain, enqueue, history, latency, retry_storm
+from . import ceiling, claim_methods, dashboard, drain, enqueue, history, latency, retry_storm
 from .common import Settings, connect, server_answers
 from .peers.runner import PEERS, run_peer
 from .report import ratios, targets
 
-SCENARIOS = ("ceiling", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "memory")
+SCENARIOS = ("ceiling", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "memory", "dashboard")
 
 
 def machine(settings: Settings) -> dict[str, Any]:
@@ -53,6 +53,7 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
         "w7": lambda: retry_storm.run(settings),
         "w8": lambda: history.run(settings),
         "memory": lambda: drain.memory(settings),
+        "dashboard": lambda: dashboard.run(settings),
     }
     for name in SCENARIOS:
         if name in only:
