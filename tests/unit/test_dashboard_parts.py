@@ -8,11 +8,11 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from skipjack.dashboard import charts, forms, is_loopback  # noqa: E402
-from skipjack.dashboard.security import Credentials, host_allowed  # noqa: E402
-from skipjack.errors import ConfigError, ValidationError  # noqa: E402
-from skipjack.search import JobFilter  # noqa: E402
-from skipjack.sql.admin import job_search  # noqa: E402
+from skipjack.dashboard import charts, forms, is_loopback
+from skipjack.dashboard.security import Credentials, host_allowed
+from skipjack.errors import ConfigError, ValidationError
+from skipjack.search import JobFilter
+from skipjack.sql.admin import job_search
 
 
 @pytest.mark.parametrize(("values", "field"), [
