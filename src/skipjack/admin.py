@@ -249,9 +249,11 @@ class Admin:
         q = self.queries
         with self.reading() as conn:
             depth: dict[str, dict[str, int]] = {}
-            for queue, state, n in conn.execute(q.QUEUE_GAUGES).fetchall():
+            oldest: dict[str, float] = {}
+            for queue, state, n, age in conn.execute(q.QUEUE_GAUGES).fetchall():
                 depth.setdefault(queue, {})[state] = n
-            oldest = dict(conn.execute(q.OLDEST_RUNNABLE).fetchall())
+                if age is not None:
+                    oldest[queue] = age
             cur = conn.cursor(row_factory=psycopg.rows.dict_row)
             settings = cur.execute(q.LIST_QUEUES).fetchall()
             workers = len(conn.execute(q.LIST_WORKERS).fetchall())

@@ -76,10 +76,14 @@ def test_credentials() -> None:
     assert Credentials.from_env({}) is None
     with pytest.raises(ConfigError):
         Credentials.from_env({"SKIPJACK_DASHBOARD_USER": "ops"})
-    creds = Credentials.from_env({"SKIPJACK_DASHBOARD_TOKEN": "t0k"})
+    for short in ("t0k", " " * 20, " padded-token-value "):
+        with pytest.raises(ConfigError):
+            Credentials.from_env({"SKIPJACK_DASHBOARD_TOKEN": short})
+    creds = Credentials.from_env({"SKIPJACK_DASHBOARD_TOKEN": "t0k-t0k-t0k-t0k"})
     assert creds is not None
-    assert creds.allow("Bearer t0k") and not creds.allow("Bearer t0") and not creds.allow("")
-    assert not creds.allow("Basic !!!") and not creds.allow("Digest t0k")
+    assert creds.allow("Bearer t0k-t0k-t0k-t0k") and not creds.allow("Bearer t0k-t0k-t0k")
+    assert not creds.allow("") and not creds.allow("Basic !!!")
+    assert not creds.allow("Digest t0k-t0k-t0k-t0k")
     assert host_allowed("127.0.0.1:8700", ("127.0.0.1",))
     assert host_allowed("[::1]:8700", ("::1",))
     assert not host_allowed("evil.example:8700", ("127.0.0.1",))

@@ -40,6 +40,8 @@ def job_id(value: str | None, name: str = "id") -> int | None:
     if value is None:
         return None
     try:
+        if not value.isascii():
+            raise ValueError(value)
         number = int(value)
     except ValueError:
         raise ValidationError(name, f"{value[:40]!r} is not a job id") from None
@@ -109,6 +111,8 @@ def optional_int(value: str | None, name: str) -> int | None:
     if value is None:
         return None
     try:
+        if not value.isascii():
+            raise ValueError(value)
         return int(value)
     except ValueError:
         raise ValidationError(name, f"{value[:40]!r} is not a whole number") from None
@@ -123,6 +127,8 @@ def optional_seconds(value: str | None, name: str) -> float | None:
     if value is None:
         return None
     try:
+        if not value.isascii():
+            raise ValueError(value)
         number = float(value)
     except ValueError:
         raise ValidationError(name, f"{value[:40]!r} is not a number of seconds") from None
@@ -144,8 +150,10 @@ def json_object(value: str | None, name: str) -> dict[str, Any]:
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:
-        raise ValidationError(name, f"not JSON: {exc.msg} at line {exc.lineno} column "
-                                    f"{exc.colno}") from None
+        raise ValidationError(name, f"not JSON: {exc.msg} (line {exc.lineno}, column "
+                                    f"{exc.colno})") from None
+    except RecursionError:
+        raise ValidationError(name, "nested too deeply") from None
     if not isinstance(parsed, dict):
         raise ValidationError(name, f"must be a JSON object of keyword arguments, got "
                                     f"{type(parsed).__name__}")

@@ -9,7 +9,11 @@ dashboard is read-only, and answered with a page saying what it did.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import json
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -31,10 +35,12 @@ from starlette.templating import Jinja2Templates
 from ..app import App, Task
 from ..cron import CronSchedule
 from ..errors import SkipjackError, ValidationError
-from ..jobs import STATES
+from ..jobs import STATES, TASK_MAX_BYTES, check_name
 from ..search import JobFilter
 from . import actions, charts, forms
-from .security import CSRF_FIELD, csrf_ok, csrf_token
+from .security import CSRF_FIELD, csrf_refusal, csrf_token
+
+log = logging.getLogger("skipjack.dashboard")
 
 PAGE_SIZE = 50
 # Seconds a job search may run before it is cancelled (a filter the indexes cannot serve,
@@ -125,9 +131,9 @@ class Pages:
         if self.read_only:
             raise HTTPException(403, "this dashboard is read-only: actions are disabled")
         form = await request.form(max_files=0, max_fields=2000)
-        if not csrf_ok(request, form.get(CSRF_FIELD)):
-            raise HTTPException(403, "the form's CSRF token is missing or wrong (reload "
-                                     "the page and try again)")
+        refusal = csrf_refusal(request, form.get(CSRF_FIELD))
+        if refusal is not None:
+            raise HTTPException(403, refusal)
         return form
 
     def done(self, request: Request, message: str, back: str, status: int = 200) -> Response:
@@ -135,19 +141,24 @@ class Pages:
 
     # --- pages ---------------------------------------------------------------------------
 
-    def _overview_data(self) -> dict[str, Any]:
-        summary = self.app.queue_summary()
-        hour = self.app.throughput(HOUR, timedelta(minutes=1))
-        day = self.app.throughput(DAY, timedelta(minutes=15))
+    def _finished_last_hour(self) -> dict[str, dict[str, int]]:
+        last_hour: dict[str, dict[str, int]] = {}
         with self.app.reading() as conn:
-            finished = conn.execute(self.app.queries.THROUGHPUT_BY_QUEUE,
-                                    {"span": HOUR}).fetchall()
-        workers = self.app.workers()
+            for queue, state, n in conn.execute(self.app.queries.THROUGHPUT_BY_QUEUE,
+                                                {"span": HOUR}).fetchall():
+                last_hour.setdefault(queue, {})[state] = n
+        return last_hour
+
+    async def _overview_data(self) -> dict[str, Any]:
+        # independent reads, each on a connection of its own, at once
+        summary, hour, day, last_hour, workers = await asyncio.gather(
+            self._read(self.app.queue_summary),
+            self._read(self.app.throughput, HOUR, timedelta(minutes=1)),
+            self._read(self.app.throughput, DAY, timedelta(minutes=15)),
+            self._read(self._finished_last_hour),
+            self._read(self.app.workers))
         now = datetime.now(UTC)
         settings = {row["name"]: row for row in summary["queues"]}
-        last_hour: dict[str, dict[str, int]] = {}
-        for queue, state, n in finished:
-            last_hour.setdefault(queue, {})[state] = n
         names = sorted({*summary["depth"], *settings, *last_hour})
         queues = [{"name": name, "depth": summary["depth"].get(name, {}),
                    "oldest": summary["oldest_runnable_seconds"].get(name),
@@ -170,12 +181,10 @@ class Pages:
         }
 
     async def overview(self, request: Request) -> Response:
-        data = await self._read(self._overview_data)
-        return self.render(request, "overview.html", **data)
+        return self.render(request, "overview.html", **await self._overview_data())
 
     async def overview_live(self, request: Request) -> Response:
-        data = await self._read(self._overview_data)
-        return self.render(request, "overview_live.html", **data)
+        return self.render(request, "overview_live.html", **await self._overview_data())
 
     async def jobs(self, request: Request) -> Response:
         try:
@@ -212,6 +221,8 @@ class Pages:
         job = await self._read(self.app.get_job, job_id)
         if job is None:
             raise HTTPException(404, f"no job {job_id} (never enqueued, or pruned)")
+        if not isinstance(job["errors"], list):  # not as skipjack writes it: shown as is
+            job["errors"] = [{"error": f"(errors column is not a list: {job['errors']!r})"}]
         return self.render(request, "job.html", job=job, timeline=timeline(job))
 
     async def job_action(self, request: Request) -> Response:
@@ -228,6 +239,10 @@ class Pages:
         if not back.startswith(str(request.url_for("jobs"))):
             back = self._jobs_url(request, where)
         if scope == "matching":
+            if where.state is not None and where.state not in actions.ACTS_ON[action]:
+                return self.done(request, f"nothing to do: {action} applies to "
+                                          f"{' or '.join(actions.ACTS_ON[action])} jobs, and "
+                                          f"the filter asks for {where.state} ones", back)
             if form.get("confirm") != "yes":
                 return self.render(request, "confirm.html", action=action,
                                    fields=forms.filter_fields(where), back=back,
@@ -235,13 +250,14 @@ class Pages:
             account = await self._call(actions.apply_matching, self.app, action, where)
         else:
             try:
-                ids = [i for i in (forms.job_id(str(v)) for v in form.getlist("id"))
+                ids = [i for i in (forms.job_id(str(v), "job") for v in form.getlist("job"))
                        if i is not None]
             except ValidationError as exc:
                 return self.done(request, str(exc), back, 400)
             if not ids:
                 return self.done(request, "no job selected: tick some jobs first", back, 400)
             account = await self._call(actions.apply, self.app, action, ids)
+        log.info("%s %s from %s: %s", action, scope, _client(request), account.describe())
         return self.done(request, account.describe(), back)
 
     def _jobs_url(self, request: Request, where: JobFilter) -> str:
@@ -251,7 +267,9 @@ class Pages:
     def _queues_data(self) -> dict[str, Any]:
         summary = self.app.queue_summary()
         settings = {row["name"]: row for row in summary["queues"]}
-        names = sorted({*summary["depth"], *settings})
+        served = {q for w in self.app.workers() for q in w["queues"] or ()}
+        known = {t.queue for t in self.app.tasks.values()}
+        names = sorted({*summary["depth"], *settings, *served, *known})
         return {"queues": [{"name": n, "depth": summary["depth"].get(n, {}),
                             "oldest": summary["oldest_runnable_seconds"].get(n),
                             "settings": settings.get(n)} for n in names],
@@ -287,6 +305,7 @@ class Pages:
                 raise HTTPException(400, "action: give pause, resume or limits")
         except ValidationError as exc:
             return self.done(request, f"nothing changed: {exc}", back, 400)
+        log.info("queue action from %s: %s", _client(request), message)
         return self.done(request, message, back)
 
     def _cron_data(self) -> dict[str, Any]:
@@ -298,7 +317,7 @@ class Pages:
             row = history.get(name, {})
             entries.append({
                 "name": name, "entry": entry,
-                "expr": repr(entry.schedule) if entry else None,
+                "expr": (f"{entry.schedule.expr} ({entry.schedule.tz})" if entry else None),
                 "task": entry.task.name if entry else None,
                 "args": entry.args if entry else None,
                 "last": row.get("last_enqueued"), "missed": row.get("missed", 0),
@@ -319,6 +338,7 @@ class Pages:
                                       "(start it with the app: skipjack dashboard MODULE:APP)",
                              back, 404)
         job_id = await self._call(self.app.enqueue, entry.task.job(**entry.args))
+        log.info("cron %r run now from %s: job %s", name, _client(request), job_id)
         return self.done(request, f"cron {name!r}: enqueued job {job_id} now (outside its "
                                   "schedule; its slots are unchanged)", back)
 
@@ -336,6 +356,8 @@ class Pages:
                            **await self._read(self._workers_data))
 
     async def enqueue_form(self, request: Request) -> Response:
+        if self.read_only:
+            raise HTTPException(403, "this dashboard is read-only: actions are disabled")
         return self.render(request, "enqueue.html", tasks=sorted(self.app.tasks), values={},
                            error=None)
 
@@ -348,6 +370,7 @@ class Pages:
         except (ValidationError, SkipjackError) as exc:
             return self.render(request, "enqueue.html", 400, tasks=sorted(self.app.tasks),
                                values=values, error=f"nothing enqueued: {exc}")
+        log.info("enqueued job %s (%s) by hand from %s", job_id, spec.task, _client(request))
         link = str(request.url_for("job", job_id=job_id))
         return self.done(request, f"enqueued job {job_id}", link)
 
@@ -356,14 +379,31 @@ class Pages:
         if name is None:
             raise ValidationError("task", "give a task name")
         task = self.app.tasks.get(name)
-        if task is None:  # not registered here: args are checked as JSON only
-            task = Task(self.app, _unregistered, name)
+        if task is None and self.app.tasks:
+            close = [t for t in sorted(self.app.tasks) if t.endswith("." + name) or name in t]
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValidationError("task", f"{name!r} is not a task of this app{hint}")
+        if task is None:  # no app given: args are checked as JSON only
+            task = Task(self.app, _unregistered, check_name("task", name, TASK_MAX_BYTES))
         args = forms.json_object(forms.text(form, "args"), "args")
         task = task.configure(
             queue=forms.text(form, "queue"),
             priority=forms.optional_int(forms.text(form, "priority"), "priority"),
             delay=forms.optional_seconds(forms.text(form, "delay"), "delay"))
         return task.job(**args)
+
+
+def _client(request: Request) -> str:
+    """Who sent a request, for the log (the address, and the basic-auth user if any)."""
+    address = request.client.host if request.client else "?"
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("basic "):
+        try:
+            user = base64.b64decode(auth[6:].strip(), validate=True).decode().partition(":")[0]
+            return f"{user}@{address}"
+        except (binascii.Error, UnicodeDecodeError):
+            pass
+    return address
 
 
 def _unregistered(**_kwargs: Any) -> None:
@@ -385,12 +425,12 @@ def timeline(job: dict[str, Any]) -> list[dict[str, Any]]:
     """The events of a job's life in time order: enqueued, each attempt's start and outcome
     (its error, a lease loss), the last attempt's start and the job's end, each with
     ``at``, ``what``, ``worker`` and ``detail``."""
+    delayed = job["attempt"] == 0 and job["run_at"] != job["created_at"]
     events: list[dict[str, Any]] = [{"at": job["created_at"], "what": "enqueued",
                                      "worker": None, "detail": f"runnable at "
-                                     f"{_when(job['run_at'])}" if job["run_at"] != job[
-                                         "created_at"] else ""}]
+                                     f"{_when(job['run_at'])}" if delayed else ""}]
     starts = set()
-    for entry in job["errors"] or []:
+    for entry in job["errors"] if isinstance(job["errors"], list) else []:
         if not isinstance(entry, dict):
             continue
         at, started = _parse(entry.get("at")), _parse(entry.get("started_at"))
@@ -465,8 +505,18 @@ def starlette_app(pages: Pages) -> Starlette:
         return pages.render(request, "error.html", exc.status_code, message=exc.detail)
 
     async def database_error(request: Request, exc: Exception) -> Response:
-        return pages.render(request, "error.html", 503,
-                            message=f"the database could not be read: {str(exc).strip()}")
+        if request.method == "POST":
+            what = ("the database could not be reached, so the action may or may not have "
+                    "been applied (look at the jobs before trying again)")
+        else:
+            what = "the database could not be read"
+        return pages.render(request, "error.html", 503, message=f"{what}: {str(exc).strip()}")
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return pages.render(request, "error.html", 500,
+                            message=f"the dashboard failed: {type(exc).__name__} (logged)")
 
     return Starlette(routes=routes(pages), exception_handlers={
-        HTTPException: http_error, psycopg.OperationalError: database_error})
+        HTTPException: http_error, psycopg.OperationalError: database_error,
+        Exception: server_error})

@@ -10,9 +10,9 @@
   "DNS rebinding"); sets the CSRF cookie; adds a strict Content-Security-Policy (scripts and
   styles only from the dashboard's own files, no inline ones) and the other security headers.
 - CSRF: every form carries :func:`csrf_token`, an HMAC of the per-browser cookie under a
-  per-process secret, which :func:`csrf_ok` checks on every POST (so neither another site
+  per-process secret, which is checked on every POST (so neither another site
   nor one that can set cookies on this host can forge it), together with the browser's
-  ``Sec-Fetch-Site`` and ``Origin`` headers when it sends them.
+  ``Sec-Fetch-Site`` and ``Origin`` headers when it sends them (:func:`csrf_refusal`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ SECURITY_HEADERS = (
     (b"cache-control", b"no-store"),
 )
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+SECRET_MIN_CHARS = 12  # of a token or password
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,11 @@ class Credentials:
                               "set both, or neither")
         if not self.token and not self.password:
             raise ConfigError("dashboard credentials: give a token, or a user and password")
+        for name, secret in (("SKIPJACK_DASHBOARD_TOKEN", self.token),
+                             ("SKIPJACK_DASHBOARD_PASSWORD", self.password)):
+            if secret is not None and (len(secret) < SECRET_MIN_CHARS or secret != secret.strip()):
+                raise ConfigError(f"{name}: at least {SECRET_MIN_CHARS} characters, without "
+                                  "leading or trailing white space")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Credentials | None:
@@ -82,6 +88,8 @@ class Credentials:
         token = environ.get("SKIPJACK_DASHBOARD_TOKEN") or None
         user = environ.get("SKIPJACK_DASHBOARD_USER") or None
         password = environ.get("SKIPJACK_DASHBOARD_PASSWORD") or None
+        if user is not None and not user.strip():
+            raise ConfigError("SKIPJACK_DASHBOARD_USER: blank")
         if token is None and user is None and password is None:
             return None
         return cls(token, user, password)
@@ -143,6 +151,9 @@ class Guard:
         self.secret = secret or secrets.token_bytes(32)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":  # the dashboard has none
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -152,8 +163,12 @@ class Guard:
             await _plain(send, 421, "this dashboard answers only for the loopback host; "
                                     "sign-in credentials are needed for other names\n")
             return
-        if self.credentials is not None and \
-                not self.credentials.allow(headers.get("authorization")):
+        authorization = headers.get("authorization", "")
+        try:  # header bytes were read as latin-1; credentials may be any UTF-8 text
+            authorization = authorization.encode("latin-1").decode()
+        except UnicodeDecodeError:
+            authorization = ""
+        if self.credentials is not None and not self.credentials.allow(authorization):
             await _plain(send, 401, "sign in with the dashboard's credentials\n",
                          [(b"www-authenticate", b'Basic realm="skipjack", charset="UTF-8"')])
             return
@@ -177,7 +192,7 @@ class Guard:
                 extra = list(SECURITY_HEADERS)
                 if new_cookie:
                     extra.append((b"set-cookie", (
-                        f"{CSRF_COOKIE}={cookie}; Path={path}; HttpOnly; SameSite=Strict"
+                        f"{CSRF_COOKIE}={cookie}; Path={path}; HttpOnly; SameSite=Lax"
                         f"{secure}").encode()))
                 message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
@@ -212,15 +227,19 @@ def csrf_token(request: Request) -> str:
     return hmac.new(secret, cookie.encode(), hashlib.sha256).hexdigest()
 
 
-def csrf_ok(request: Request, token: object) -> bool:
-    """Whether a POST carries this browser's token and comes from the dashboard's own pages
-    (by ``Sec-Fetch-Site`` and ``Origin``, where the browser sends them)."""
+def csrf_refusal(request: Request, token: object) -> str | None:
+    """Why a POST is refused, or None when it carries this browser's token and comes from
+    the dashboard's own pages (by ``Sec-Fetch-Site`` and ``Origin``, where the browser sends
+    them)."""
     site = request.headers.get("sec-fetch-site")
     if site is not None and site not in ("same-origin", "none"):
-        return False
+        return f"the form was sent from another site (Sec-Fetch-Site: {site})"
     origin = request.headers.get("origin")  # "null" (an opaque origin) is refused too
-    if origin is not None and urlsplit(origin).netloc != request.headers.get("host", ""):
-        return False
-    if not request.scope.get("state", {}).get("csrf_cookie"):
-        return False
-    return isinstance(token, str) and hmac.compare_digest(token, csrf_token(request))
+    host = request.headers.get("host", "")
+    if origin is not None and urlsplit(origin).netloc != host:
+        return (f"the form was sent from {origin}, not from this dashboard ({host}); behind "
+                "a reverse proxy, pass the original Host header on")
+    if not request.scope.get("state", {}).get("csrf_cookie") or not isinstance(token, str) \
+            or not hmac.compare_digest(token, csrf_token(request)):
+        return "the form's CSRF token is missing or wrong (reload the page and try again)"
+    return None

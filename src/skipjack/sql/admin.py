@@ -14,16 +14,21 @@ SELECT queue, state, count(*) FROM {schema}.jobs
 
 # The waiting, running and dead-letter jobs per queue for metrics: one count per state, each
 # on the partial index of its state (jobs_scheduled_idx, jobs_claim_idx, jobs_running_idx,
-# jobs_discarded_idx), so succeeded history is never read.
+# jobs_discarded_idx), so succeeded history is never read. The available row also gives the
+# age of the queue's oldest runnable job (seconds, database clock; NULL for the other rows),
+# read in the same pass.
 QUEUE_GAUGES = """
-SELECT queue, 'scheduled' AS state, count(*) FROM {schema}.jobs
+SELECT queue, 'scheduled' AS state, count(*), NULL::float8 FROM {schema}.jobs
  WHERE state = 'scheduled' GROUP BY queue
 UNION ALL
-SELECT queue, 'available', count(*) FROM {schema}.jobs WHERE state = 'available' GROUP BY queue
+SELECT queue, 'available', count(*),
+       extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now()))::float8
+  FROM {schema}.jobs WHERE state = 'available' GROUP BY queue
 UNION ALL
-SELECT queue, 'running', count(*) FROM {schema}.jobs WHERE state = 'running' GROUP BY queue
+SELECT queue, 'running', count(*), NULL FROM {schema}.jobs WHERE state = 'running' GROUP BY queue
 UNION ALL
-SELECT queue, 'discarded', count(*) FROM {schema}.jobs WHERE state = 'discarded' GROUP BY queue
+SELECT queue, 'discarded', count(*), NULL FROM {schema}.jobs
+ WHERE state = 'discarded' GROUP BY queue
 """
 
 # The planner's estimate of the table's rows (history included), for free.
@@ -186,8 +191,10 @@ SEARCH_CONDITIONS = {
     "id": "id = %(id)s",
     "since": "{time} >= %(since)s",
     "until": "{time} < %(until)s",
-    "error": """EXISTS (SELECT 1 FROM jsonb_array_elements(errors) AS e
-                 WHERE strpos(lower(e ->> 'error'), lower(%(error)s)) > 0)""",
+    "error": """jsonb_typeof(errors) = 'array' AND EXISTS (
+                 SELECT 1 FROM jsonb_array_elements(errors) AS e
+                  WHERE jsonb_typeof(e) = 'object'
+                    AND strpos(lower(e ->> 'error'), lower(%(error)s)) > 0)""",
     "before": "id < %(before)s",
     "after": "id > %(after)s",
 }
@@ -196,7 +203,9 @@ TIME_COLUMNS = {"created": "created_at", "finished": "finished_at"}
 # The page of a search: newest first (keyset pagination on the primary key: `before` for older
 # pages), or oldest first from `after` (for newer pages; the caller reverses them).
 _SEARCH_COLUMNS = """id, queue, task, state, attempt, max_attempts, priority, run_at, created_at,
-       finished_at, idempotency_key, errors -> -1 ->> 'error' AS last_error"""
+       finished_at, idempotency_key,
+       CASE WHEN jsonb_typeof(errors -> -1) = 'object' THEN errors -> -1 ->> 'error' END
+           AS last_error"""
 
 
 def job_search(conditions: tuple[str, ...], time: str, *, ids_only: bool = False,
