@@ -191,10 +191,10 @@ SEARCH_CONDITIONS = {
     "id": "id = %(id)s",
     "since": "{time} >= %(since)s",
     "until": "{time} < %(until)s",
-    "error": """jsonb_typeof(errors) = 'array' AND EXISTS (
-                 SELECT 1 FROM jsonb_array_elements(errors) AS e
-                  WHERE jsonb_typeof(e) = 'object'
-                    AND strpos(lower(e ->> 'error'), lower(%(error)s)) > 0)""",
+    "error": """EXISTS (
+                 SELECT 1 FROM jsonb_array_elements(CASE WHEN jsonb_typeof(errors) = 'array'
+                                                         THEN errors END) AS e
+                  WHERE strpos(lower(e ->> 'error'), lower(%(error)s)) > 0)""",
     "before": "id < %(before)s",
     "after": "id > %(after)s",
 }
