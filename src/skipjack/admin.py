@@ -378,6 +378,16 @@ class Admin:
             return cur.execute(self.queries.THROUGHPUT, {"span": span, "bucket": bucket,
                                                          "queue": queue}).fetchall()
 
+    def finished_by_queue(self, span: timedelta) -> dict[str, dict[str, int]]:
+        """``{queue: {state: jobs}}`` finished over the last ``span``, from the same rollup as
+        :meth:`throughput`."""
+        counts: dict[str, dict[str, int]] = {}
+        with self.reading() as conn:
+            for queue, state, n in conn.execute(self.queries.THROUGHPUT_BY_QUEUE,
+                                                {"span": span}).fetchall():
+                counts.setdefault(queue, {})[state] = n
+        return counts
+
     def rollup(self) -> int:
         """Run the throughput rollup now (workers' maintenance runs it every 15 s): see
         :func:`rollup`."""

@@ -4,6 +4,7 @@ maximum per bucket) as lines, from the rows of :meth:`skipjack.App.throughput`."
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -73,23 +74,12 @@ def _scale(top: float) -> tuple[float, list[float]]:
     """A round axis maximum at or above ``top`` and its tick values."""
     if top <= 0:
         return 1.0, [0.0, 1.0]
-    step = 10 ** _floor_log10(top)
+    step = 10 ** math.floor(math.log10(top))
     for factor in (1, 2, 5, 10):
         if top <= step * factor:
             limit = step * factor
             break
     return limit, [0.0, limit / 2, limit]
-
-
-def _floor_log10(value: float) -> int:
-    exponent = 0
-    while value >= 10:
-        value /= 10
-        exponent += 1
-    while value < 1:
-        value *= 10
-        exponent -= 1
-    return exponent
 
 
 def _number(value: float) -> str:

@@ -31,20 +31,26 @@ def text(values: Mapping[str, Any], name: str) -> str | None:
     return value or None
 
 
+def _number(value: str, name: str, kind: type[int] | type[float], what: str) -> Any:
+    """``kind(value)`` for ASCII text (``int`` and ``float`` also take other scripts'
+    digits), or a ValidationError saying the field is not ``what``."""
+    try:
+        if not value.isascii():
+            raise ValueError(value)
+        return kind(value)
+    except ValueError:
+        raise ValidationError(name, f"{value[:40]!r} is not {what}") from None
+
+
 def job_id(value: str | None, name: str = "id") -> int | None:
-    """A job id (1..2^63-1) from text, or None for None.
+    """A job id (0..2^63-1) from text, or None for None.
 
     Raises:
         ValidationError: not such a number.
     """
     if value is None:
         return None
-    try:
-        if not value.isascii():
-            raise ValueError(value)
-        number = int(value)
-    except ValueError:
-        raise ValidationError(name, f"{value[:40]!r} is not a job id") from None
+    number: int = _number(value, name, int, "a job id")
     if not 0 <= number <= ID_MAX:
         raise ValidationError(name, f"{number} is out of range 0..{ID_MAX}")
     return number
@@ -110,12 +116,8 @@ def optional_int(value: str | None, name: str) -> int | None:
     """
     if value is None:
         return None
-    try:
-        if not value.isascii():
-            raise ValueError(value)
-        return int(value)
-    except ValueError:
-        raise ValidationError(name, f"{value[:40]!r} is not a whole number") from None
+    number: int = _number(value, name, int, "a whole number")
+    return number
 
 
 def optional_seconds(value: str | None, name: str) -> float | None:
@@ -126,12 +128,7 @@ def optional_seconds(value: str | None, name: str) -> float | None:
     """
     if value is None:
         return None
-    try:
-        if not value.isascii():
-            raise ValueError(value)
-        number = float(value)
-    except ValueError:
-        raise ValidationError(name, f"{value[:40]!r} is not a number of seconds") from None
+    number: float = _number(value, name, float, "a number of seconds")
     if not math.isfinite(number):
         raise ValidationError(name, f"{value[:40]!r} is not a number of seconds")
     return number

@@ -10,8 +10,6 @@ dashboard is read-only, and answered with a page saying what it did.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import logging
 import math
@@ -38,7 +36,7 @@ from ..errors import SkipjackError, ValidationError
 from ..jobs import STATES, TASK_MAX_BYTES, check_name
 from ..search import JobFilter
 from . import actions, charts, forms
-from .security import CSRF_FIELD, csrf_refusal, csrf_token
+from .security import CSRF_FIELD, basic_credentials, csrf_refusal, csrf_token
 
 log = logging.getLogger("skipjack.dashboard")
 
@@ -141,21 +139,13 @@ class Pages:
 
     # --- pages ---------------------------------------------------------------------------
 
-    def _finished_last_hour(self) -> dict[str, dict[str, int]]:
-        last_hour: dict[str, dict[str, int]] = {}
-        with self.app.reading() as conn:
-            for queue, state, n in conn.execute(self.app.queries.THROUGHPUT_BY_QUEUE,
-                                                {"span": HOUR}).fetchall():
-                last_hour.setdefault(queue, {})[state] = n
-        return last_hour
-
     async def _overview_data(self) -> dict[str, Any]:
         # independent reads, each on a connection of its own, at once
         summary, hour, day, last_hour, workers = await asyncio.gather(
             self._read(self.app.queue_summary),
             self._read(self.app.throughput, HOUR, timedelta(minutes=1)),
             self._read(self.app.throughput, DAY, timedelta(minutes=15)),
-            self._read(self._finished_last_hour),
+            self._read(self.app.finished_by_queue, HOUR),
             self._read(self.app.workers))
         now = datetime.now(UTC)
         settings = {row["name"]: row for row in summary["queues"]}
@@ -396,14 +386,8 @@ class Pages:
 def _client(request: Request) -> str:
     """Who sent a request, for the log (the address, and the basic-auth user if any)."""
     address = request.client.host if request.client else "?"
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("basic "):
-        try:
-            user = base64.b64decode(auth[6:].strip(), validate=True).decode().partition(":")[0]
-            return f"{user}@{address}"
-        except (binascii.Error, UnicodeDecodeError):
-            pass
-    return address
+    pair = basic_credentials(request.headers.get("authorization"))
+    return f"{pair[0]}@{address}" if pair else address
 
 
 def _unregistered(**_kwargs: Any) -> None:

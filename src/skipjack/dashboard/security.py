@@ -104,16 +104,28 @@ class Credentials:
             return self.token is not None and _same(value, self.token)
         if scheme.lower() != "basic":
             return False
-        try:
-            user, sep, password = base64.b64decode(value, validate=True).decode().partition(":")
-        except (binascii.Error, UnicodeDecodeError):
+        pair = basic_credentials(authorization)
+        if pair is None:
             return False
-        if not sep:
-            return False
+        user, password = pair
         if self.token is not None and _same(password, self.token):
             return True
         return (self.user is not None and self.password is not None
                 and _same(user, self.user) & _same(password, self.password))
+
+
+def basic_credentials(authorization: str | None) -> tuple[str, str] | None:
+    """(user, password) of an ``Authorization: Basic`` header value, or None when it is
+    none or malformed."""
+    scheme, _, value = (authorization or "").partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user, sep, password = base64.b64decode(value.strip(), validate=True).decode() \
+            .partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return (user, password) if sep else None
 
 
 def _same(given: str, expected: str) -> bool:

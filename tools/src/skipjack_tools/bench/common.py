@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import socket
 import statistics
 import time
 import urllib.parse
@@ -200,3 +201,11 @@ def payload(size: int = 2400) -> str:
     """A text of ``size`` ASCII characters (the 2.4 KB payload of W8 and the memory test)."""
     unit = "skipjack-payload-0123456789abcdef"
     return (unit * (size // len(unit) + 1))[:size]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

@@ -21,7 +21,7 @@ from psycopg import sql
 
 from skipjack.app import App
 
-from .common import Settings, connect, fresh_app, percentiles, wait_for
+from .common import Settings, connect, free_port, fresh_app, percentiles, wait_for
 
 TARGET_MS = 200.0
 QUEUES = 5
@@ -95,7 +95,7 @@ def run(settings: Settings) -> dict[str, Any]:
             dead = conn.execute(sql.SQL(
                 "SELECT id FROM {} WHERE state = 'discarded' ORDER BY id DESC LIMIT 1").format(
                     sql.Identifier(app.schema, "jobs"))).fetchone()
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "-q",
              "dashboard", "--port", str(port)],
@@ -147,11 +147,3 @@ def _answers(base: str) -> bool:
     except OSError:
         return False
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port

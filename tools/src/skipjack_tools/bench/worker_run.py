@@ -6,7 +6,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from skipjack.db import channel_name
 from skipjack.runtime import eventloop
 from skipjack.runtime.worker import Worker
 
-from .common import QUEUE, connect, wait_for
+from .common import QUEUE, connect, free_port, wait_for
 
 
 class StateCounter:
@@ -91,10 +90,7 @@ def with_metrics(app: App) -> App:
 
 
 def _metrics_options() -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return ["--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
+    return ["--metrics-port", str(free_port()), "--metrics-host", "127.0.0.1"]
 
 
 class WorkerProcesses:
