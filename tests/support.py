@@ -185,3 +185,22 @@ def http_get(url: str, timeout: float = 10) -> tuple[int, str]:
         return exc.code, exc.read().decode()
     except urllib.error.URLError as exc:
         return 0, str(exc.reason)
+
+
+def kill_repeatedly(dsn: str, schema: str, ids: list[int],
+                    start: Callable[[int], WorkerProcess], kills: int = 3) -> None:
+    """Run workers made by ``start(n)`` over the jobs ``ids``, SIGKILLing each of the first
+    ``kills`` once it has finished some jobs more (others are then mid-run), so that their
+    jobs are rescued after their lease; the last one runs until every job succeeded."""
+    def succeeded() -> int:
+        return states(dsn, schema).get("succeeded", 0)
+
+    for n in range(kills):
+        before = succeeded()
+        with start(n) as worker:
+            wait_until(lambda b=before: succeeded() > b, timeout=60,  # type: ignore[misc]
+                       what=f"worker {n} finished some jobs")
+            worker.kill()
+    with start(kills):
+        wait_until(lambda: succeeded() == len(ids), timeout=120,
+                   what="every job succeeded after the kills")

@@ -1,7 +1,9 @@
 """skipjack: a PostgreSQL job queue for Python built on ``FOR UPDATE SKIP LOCKED``.
 
-Public API: :class:`App` (configuration, tasks, enqueue), :class:`Worker`, :class:`Backoff`,
-:func:`current_job`, :class:`Hook` (see :mod:`skipjack.hooks`), and the errors.
+Public API: :class:`App` (configuration, tasks, enqueue), :class:`JobHandle` (what enqueue
+returns: wait for the outcome), :class:`Worker`, :class:`Backoff`, :func:`current_job`,
+:class:`Hook` (see :mod:`skipjack.hooks`), and the errors. Framework integrations live in
+:mod:`skipjack.contrib`, test helpers in :mod:`skipjack.testing`.
 """
 
 from .app import App, Task
@@ -11,8 +13,11 @@ from .errors import (
     Discard,
     DuplicateJobError,
     JobCancelled,
+    JobFailed,
+    JobNotFound,
     MigrationError,
     MigrationLockError,
+    ResultTimeout,
     SchemaVersionError,
     SkipjackError,
     Snooze,
@@ -20,6 +25,7 @@ from .errors import (
 )
 from .hooks import Attempt, EnqueueCall, Hook
 from .jobs import JobSpec
+from .results import JobHandle
 from .retry import Backoff
 from .runtime.report import WorkerStats
 from .runtime.worker import Worker
@@ -36,9 +42,13 @@ __all__ = [
     "Job",
     "JobCancelled",
     "JobContext",
+    "JobFailed",
+    "JobHandle",
+    "JobNotFound",
     "JobSpec",
     "MigrationError",
     "MigrationLockError",
+    "ResultTimeout",
     "SchemaVersionError",
     "SkipjackError",
     "Snooze",

@@ -19,6 +19,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from . import enqueue as enqueuing
 from .admin import Admin
+from .connections import async_connection, sync_connection
 from .cron import GRACE_MAX, GRACE_MIN, CronSchedule
 from .db import Database
 from .errors import ValidationError
@@ -43,6 +44,7 @@ from .jobs import (
     unique_states_mask,
 )
 from .migrate import LOCK_ATTEMPTS, LOCK_TIMEOUT, check_schema, migrate
+from .results import JobHandle
 from .retry import Backoff
 
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -54,6 +56,10 @@ CRON_NAME_MAX_BYTES = 224
 
 # Seconds a read waits for a connection of the app's pool.
 READ_TIMEOUT = 10.0
+
+# A callable giving a context manager that yields a psycopg connection in an open transaction
+# (see App's complete_transaction).
+TransactionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
 
 
 @dataclass(frozen=True)
@@ -157,11 +163,13 @@ class Task:
                        self.priority, self.max_attempts, self.run_at, self.delay,
                        self.idempotency_key, self.lease, self.unique_states)
 
-    def enqueue(self, **kwargs: Any) -> int:
-        """Enqueue one job on the app's own connection (committed at once); returns its id."""
+    def enqueue(self, **kwargs: Any) -> JobHandle:
+        """Enqueue one job, with ``kwargs`` as its arguments, as :meth:`App.enqueue` does
+        without ``conn`` (on the app's own connection, committed at once, unless the app
+        joins a framework's transaction); returns its :class:`~skipjack.JobHandle`."""
         return self.app.enqueue(self.job(**kwargs))
 
-    async def enqueue_async(self, **kwargs: Any) -> int:
+    async def enqueue_async(self, **kwargs: Any) -> JobHandle:
         """Async :meth:`enqueue`."""
         return await self.app.enqueue_async(self.job(**kwargs))
 
@@ -188,6 +196,12 @@ class App(Admin):
             that enqueue at once.
         hooks: :class:`~skipjack.hooks.Hook` objects run around enqueues and executions
             (more with :meth:`add_hook`).
+        complete_transaction: where sync ``transaction="complete"`` handlers get their
+            transaction: a callable returning a context manager that gives a psycopg
+            connection in an open transaction, commits it when the block ends and rolls it
+            back when it raises. None: a connection of the worker's own pool. The framework
+            integrations set it so that a handler's ORM writes join the job's transaction
+            (:func:`skipjack.contrib.sqlalchemy.job_transactions`, the Django app's).
 
     Raises:
         ValidationError: bad schema name, size limit or pool size.
@@ -203,6 +217,7 @@ class App(Admin):
         prepare: bool = True,
         pool_size: int = 4,
         hooks: Sequence[Hook] = (),
+        complete_transaction: TransactionSource | None = None,
     ) -> None:
         schema = schema or os.environ.get("SKIPJACK_SCHEMA") or "skipjack"
         if not isinstance(schema, str) or not _SCHEMA_RE.fullmatch(schema):
@@ -222,6 +237,7 @@ class App(Admin):
         self.tasks: dict[str, Task] = {}
         self.crons: dict[str, CronEntry] = {}
         self.hooks = Hooks(hooks)
+        self.complete_transaction = complete_transaction
         self._lock = threading.Lock()
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._apool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
@@ -462,12 +478,24 @@ class App(Admin):
 
     # --- enqueue -------------------------------------------------------------------------
 
-    def enqueue(self, job: JobSpec, *, conn: psycopg.Connection[Any] | None = None) -> int:
-        """Enqueue one job; returns its id. See :meth:`enqueue_many`."""
-        return self.enqueue_many([job], conn=conn)[0]
+    def job_handle(self, job_id: int) -> JobHandle:
+        """A :class:`~skipjack.JobHandle` for the job ``job_id`` of this app (whether it
+        exists is checked when the handle is used)."""
+        return JobHandle(job_id, self)
+
+    def default_connection(self) -> psycopg.Connection[Any] | None:
+        """The connection enqueues without ``conn`` join: None here (the app's own, committed
+        at once); the Django app's is Django's connection, so that an enqueue inside
+        ``transaction.atomic()`` belongs to it."""
+        return None
+
+    def enqueue(self, job: JobSpec, *, conn: object | None = None) -> JobHandle:
+        """Enqueue one job; returns its :class:`~skipjack.JobHandle` (the id, as an int, that
+        can wait for the outcome). See :meth:`enqueue_many`."""
+        return JobHandle(self.enqueue_many([job], conn=conn)[0], self)
 
     def enqueue_many(
-        self, jobs: Iterable[JobSpec], *, conn: psycopg.Connection[Any] | None = None
+        self, jobs: Iterable[JobSpec], *, conn: object | None = None
     ) -> list[int]:
         """Enqueue jobs atomically: one statement for up to 1,000 of them; more are written
         1,000 to a statement (:data:`skipjack.enqueue.CHUNK_JOBS`) in one transaction (on the
@@ -482,34 +510,39 @@ class App(Admin):
                 idempotency key it yielded before (that enqueue would wait for this call to
                 commit, forever). With ``conn`` it is read in full first (it may read from
                 that connection).
-            conn: the caller's connection. The jobs then belong to the caller's transaction
-                (and savepoints): workers see them, and are woken, only at commit, and a
-                rollback removes them. Without it, the app's own connection commits at once.
+            conn: the caller's connection: a psycopg ``Connection``, an SQLAlchemy
+                ``Session`` or ``Connection`` (psycopg driver) or a Django connection (see
+                :mod:`skipjack.connections`). The jobs then belong to the caller's
+                transaction (and savepoints): workers see them, and are woken, only at
+                commit, and a rollback removes them. Without it, the app's
+                :meth:`default_connection`, else its own connection, which commits at once.
 
         Returns:
-            The job ids, in input order. A job whose idempotency key already exists gets the
-            existing job's id.
+            The job ids, in input order (plain ints; :meth:`job_handle` makes a handle of
+            one). A job whose idempotency key already exists gets the existing job's id.
 
         Raises:
-            ValidationError: an item is not a JobSpec (or ``jobs`` itself raises it, e.g.
+            ValidationError: ``conn`` is not a connection skipjack can use; an item is not a
+                JobSpec (or ``jobs`` itself raises it, e.g.
                 from :meth:`Task.job`); nothing of this call is written, whichever item it is.
             DuplicateJobError: a key is held by a job this caller's snapshot cannot see.
             psycopg.Error: the database refused or could not be reached; nothing of this call
                 was written (a transaction of the caller's is then failed, as after any
                 refused statement: roll it back).
         """
-        plan = enqueuing.Plan(self.queries, jobs, read_all=conn is not None)
+        raw = sync_connection(conn) if conn is not None else self.default_connection()
+        plan = enqueuing.Plan(self.queries, jobs, read_all=raw is not None)
         if plan.empty:  # checked before taking a connection
             return []
-        with self.hooks.around_enqueue(plan.specs, conn is not None) as call:
+        with self.hooks.around_enqueue(plan.specs, raw is not None) as call:
             if call is not None:
                 plan.metadata = self.hooks.metadata_json(call)
             try:
-                if conn is None:
+                if raw is None:
                     with self._sync_pool().connection() as own:
                         ids = enqueuing.run(own, plan, pipelined=True)
                 else:
-                    ids = enqueuing.run(conn, plan, pipelined=False)
+                    ids = enqueuing.run(raw, plan, pipelined=False)
             except psycopg.errors.UndefinedTable as exc:
                 enqueuing.note_not_migrated(exc, self.schema)
                 raise
@@ -517,16 +550,17 @@ class App(Admin):
                 call.ids, call.inserted = ids, plan.inserted
         return ids
 
-    async def enqueue_async(
-        self, job: JobSpec, *, conn: psycopg.AsyncConnection[Any] | None = None
-    ) -> int:
+    async def enqueue_async(self, job: JobSpec, *, conn: object | None = None) -> JobHandle:
         """Async :meth:`enqueue`."""
-        return (await self.enqueue_many_async([job], conn=conn))[0]
+        return JobHandle((await self.enqueue_many_async([job], conn=conn))[0], self)
 
     async def enqueue_many_async(
-        self, jobs: Iterable[JobSpec], *, conn: psycopg.AsyncConnection[Any] | None = None
+        self, jobs: Iterable[JobSpec], *, conn: object | None = None
     ) -> list[int]:
-        """Async :meth:`enqueue_many`; ``conn`` is the caller's async connection."""
+        """Async :meth:`enqueue_many`; ``conn`` is the caller's psycopg ``AsyncConnection``,
+        or an SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` (psycopg driver)."""
+        if conn is not None:
+            conn = await async_connection(conn)
         plan = enqueuing.Plan(self.queries, jobs, read_all=conn is not None)
         if plan.empty:
             return []
@@ -538,6 +572,7 @@ class App(Admin):
                     async with (await self._async_pool()).connection() as own:
                         ids = await enqueuing.run_async(own, plan, pipelined=True)
                 else:
+                    assert isinstance(conn, psycopg.AsyncConnection)
                     ids = await enqueuing.run_async(conn, plan, pipelined=False)
             except psycopg.errors.UndefinedTable as exc:
                 enqueuing.note_not_migrated(exc, self.schema)

@@ -25,9 +25,24 @@ from .logs import LogFormat, configure, parse_levels
 from .migrate import LOCK_ATTEMPTS, LOCK_ATTEMPTS_MAX, LOCK_TIMEOUT
 
 
-def _app(ctx: click.Context) -> App:
+def _app(ctx: click.Context, app_path: str | None = None) -> App:
+    """The app of MODULE:APP when given, else the one the caller set (``obj["app"]``: the
+    Django management command's), else one of --dsn and --schema."""
     obj: dict[str, Any] = ctx.obj
+    if app_path:
+        return load_app(app_path, obj["dsn"], obj["schema"])
+    if obj.get("app") is not None:
+        app: App = obj["app"]
+        return app
     return App(obj["dsn"], schema=obj["schema"])
+
+
+def _task_app(ctx: click.Context, app_path: str | None) -> App:
+    """:func:`_app` for the commands that need the app's tasks: MODULE:APP is required
+    unless the caller set the app."""
+    if not app_path and ctx.obj.get("app") is None:
+        raise click.UsageError("Missing argument 'MODULE:APP'.")
+    return _app(ctx, app_path)
 
 
 def _exit_before_start(_sig: int, _frame: object) -> None:
@@ -143,7 +158,7 @@ def main(ctx: click.Context, dsn: str | None, schema: str | None, log_levels: tu
          log_format: LogFormat, verbose: bool, quiet: bool) -> None:
     """skipjack: a PostgreSQL job queue built on FOR UPDATE SKIP LOCKED."""
     _configure_logging(log_levels, log_format, verbose, quiet)
-    ctx.obj = {"dsn": dsn, "schema": schema,
+    ctx.obj = {**(ctx.obj or {}), "dsn": dsn, "schema": schema,
                "logging": (log_levels, log_format, verbose, quiet)}
 
 
@@ -182,7 +197,7 @@ def migrate(ctx: click.Context, lock_timeout: str, attempts: int) -> None:
 
 
 @main.command()
-@click.argument("app_path", metavar="MODULE:APP")
+@click.argument("app_path", metavar="MODULE:APP", required=False)
 @click.option("-q", "--queue", "queues", multiple=True, default=["default"], show_default=True,
               help="Queue to serve; repeat for several.")
 @click.option("-c", "--concurrency", default=10, show_default=True, type=int)
@@ -229,7 +244,7 @@ def migrate(ctx: click.Context, lock_timeout: str, attempts: int) -> None:
               default=None, help="As `skipjack --log-format`.")
 @click.option("-v", "--verbose", is_flag=True, help="As `skipjack -v`.")
 @click.pass_context
-def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurrency: int,
+def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], concurrency: int,
            batch_size: int | None, lease: float, heartbeat: float | None,
            poll_interval: float, rescue_interval: float | None, grace: float,
            stage_interval: float, retention: str | None, discarded_retention: str | None,
@@ -248,7 +263,7 @@ def worker(ctx: click.Context, app_path: str, queues: tuple[str, ...], concurren
         signal.signal(sig, _exit_before_start)
     from .runtime.worker import Worker
 
-    app = load_app(app_path, ctx.obj["dsn"], ctx.obj["schema"])
+    app = _task_app(ctx, app_path)
     w = Worker(app, list(queues), concurrency=concurrency, batch_size=batch_size, lease=lease,
                heartbeat=heartbeat, poll_interval=poll_interval, rescue_interval=rescue_interval,
                shutdown_grace=grace, stage_interval=stage_interval,
@@ -350,7 +365,7 @@ def dashboard(ctx: click.Context, app_path: str | None, host: str, port: int,
             raise
         raise click.ClickException("the dashboard needs its extra: pip install "
                                    "'skipjack[dashboard]'") from None
-    app = load_app(app_path, ctx.obj["dsn"], ctx.obj["schema"]) if app_path else _app(ctx)
+    app = _app(ctx, app_path)
     credentials = web.Credentials.from_env()
     if credentials is None and not web.is_loopback(host):
         raise click.UsageError(f"--host {host}: the dashboard listens beyond this machine "
@@ -558,11 +573,11 @@ def cron() -> None:
 
 
 @cron.command("list")
-@click.argument("app_path", metavar="MODULE:APP")
+@click.argument("app_path", metavar="MODULE:APP", required=False)
 @click.pass_context
-def cron_list(ctx: click.Context, app_path: str) -> None:
+def cron_list(ctx: click.Context, app_path: str | None) -> None:
     """The schedules of MODULE:APP: expression, zone, last slot enqueued, missed slots."""
-    app = load_app(app_path, ctx.obj["dsn"], None)
+    app = load_app(app_path, ctx.obj["dsn"], None) if app_path else _task_app(ctx, None)
     with app.connect() as conn:
         seen = {r[0]: r[1:] for r in conn.execute(app.queries.CRON_LIST).fetchall()}
     for name, entry in sorted(app.crons.items()):

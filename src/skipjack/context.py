@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextvars
+import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from .errors import JobCancelled
+from .errors import JobCancelled, ValidationError
+
+PROGRESS_MAX_BYTES = 65_536  # the most a progress report may take, serialised as JSON
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,34 @@ class JobContext:
     reason: str = ""
     cause: CancelCause | None = None
     conn: Any = None  # the job's transaction connection (tasks with transaction="complete")
+    reported: str | None = None  # the last progress report, as JSON text
+    on_progress: Callable[[str], None] | None = field(default=None, repr=False)
     _event: threading.Event | None = field(default=None, repr=False)
+
+    def progress(self, value: Any) -> None:
+        """Report the job's progress: any JSON value, e.g. ``0.4`` or
+        ``{"done": 40, "total": 100}``. It returns at once (no database round trip).
+
+        The worker writes the latest report at most once a second while the job runs
+        (fenced: a worker that lost the job's lease writes nothing), and the last one with
+        the job's outcome. It is read by :meth:`skipjack.JobHandle.progress`,
+        :meth:`skipjack.App.get_job` and ``skipjack jobs show``.
+
+        Raises:
+            ValidationError: ``value`` is not JSON (NaN and infinities are not), or takes
+                more than 65,536 bytes serialised.
+        """
+        try:
+            text = json.dumps(value, ensure_ascii=False, allow_nan=False,
+                              separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise ValidationError("progress", f"must be a JSON value: {exc}") from None
+        if len(text.encode()) > PROGRESS_MAX_BYTES or "\\u0000" in text:
+            raise ValidationError("progress", f"must take at most {PROGRESS_MAX_BYTES:,} "
+                                  "bytes as JSON, without NUL characters")
+        self.reported = text
+        if self.on_progress is not None:
+            self.on_progress(text)
 
     @property
     def cancelled(self) -> threading.Event:

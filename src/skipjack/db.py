@@ -57,6 +57,12 @@ def channel_name(schema: str) -> str:
     return "skipjack_" + hashlib.sha1(schema.encode()).hexdigest()[:16]
 
 
+def done_channel_name(schema: str) -> str:
+    """The channel on which the end of an awaited job of a schema is announced, with the
+    job id as payload (migration 6; at most 30 bytes)."""
+    return channel_name(schema) + "_done"
+
+
 def connection_lost(exc: BaseException) -> bool:
     """Did the database connection itself fail (as opposed to a statement it refused)?
 

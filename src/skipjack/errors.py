@@ -89,3 +89,34 @@ class Snooze(SkipjackError):
 class JobCancelled(SkipjackError):
     """Raised in a handler that checks :meth:`skipjack.JobContext.raise_if_cancelled` after
     its job was taken from it (lease lost) or the worker is shutting down."""
+
+
+class JobFailed(SkipjackError):
+    """:meth:`skipjack.JobHandle.result`: the job ended without a result, discarded (the dead
+    letter, after its last attempt or by hand) or cancelled.
+
+    Attributes:
+        job_id: the job's id.
+        state: ``"discarded"`` or ``"cancelled"``.
+        errors: the job's error entries, one per failed attempt, oldest first (dicts with
+            ``attempt``, ``error`` ("Type: message"), ``type`` (the exception's import path,
+            when recorded), ``traceback``, ``at``, ``worker``, ``started_at``).
+    """
+
+    def __init__(self, job_id: int, state: str, errors: list[dict[str, object]]) -> None:
+        self.job_id = job_id
+        self.state = state
+        self.errors = errors
+        last = errors[-1].get("error") if errors else None
+        detail = f": {last}" if last else ""
+        super().__init__(f"job {job_id} was {state}{detail}")
+
+
+class ResultTimeout(SkipjackError, TimeoutError):
+    """:meth:`skipjack.JobHandle.result`: the job had not ended within the timeout (it goes
+    on: waiting changes nothing about it)."""
+
+
+class JobNotFound(SkipjackError, LookupError):
+    """No job has this id (never enqueued, deleted by retention, or enqueued in a
+    transaction this caller cannot see: not committed yet, or rolled back)."""

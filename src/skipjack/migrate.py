@@ -30,7 +30,7 @@ from typing import Any
 
 import psycopg
 
-from .db import ReconnectDelay, channel_name, connection_lost
+from .db import ReconnectDelay, channel_name, connection_lost, done_channel_name
 from .errors import MigrationError, MigrationLockError, SchemaVersionError, ValidationError
 from .sql import Queries, render
 
@@ -175,7 +175,8 @@ def _migrate_once(conn: psycopg.Connection[Any], schema: str, q: Queries,
                 if m.version in applied:
                     continue
                 step = f"migration {m.version} ({m.name})"
-                conn.execute(render(m.text, schema, channel=channel_name(schema)))
+                conn.execute(render(m.text, schema, channel=channel_name(schema),
+                                    done_channel=done_channel_name(schema)))
                 conn.execute(q.RECORD_MIGRATION, {"version": m.version, "name": m.name})
                 applied_now.append(m.version)
         return applied_now

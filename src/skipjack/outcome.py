@@ -48,6 +48,8 @@ class Outcome:
     ``error`` are JSON text (see :func:`error_json`). ``job``, ``ran`` (seconds the handler
     ran; None when it never started) and ``exception`` (what it raised) are not written:
     they are for the log line and the hooks (see :mod:`skipjack.runtime.report`).
+    ``progress`` is the handler's last progress report (JSON text), written with the outcome
+    so that the last one is kept however soon after it the job ended.
     """
 
     id: int
@@ -60,14 +62,17 @@ class Outcome:
     job: Job | None = field(default=None, compare=False, repr=False)
     ran: float | None = field(default=None, compare=False)
     exception: BaseException | None = field(default=None, compare=False, repr=False)
+    progress: str | None = field(default=None, compare=False)  # JSON text: the last report
 
 
 def outcome_params(batch: Sequence[Outcome]) -> dict[str, str]:
     """Bind values of ``RECORD_OUTCOMES`` for a batch: one JSON array of objects with the
-    keys id, lease_version, kind, delay (seconds), result and error (JSON text or null)."""
+    keys id, lease_version, kind, delay (seconds), result, error and progress (JSON text or
+    null)."""
     return {"outcomes": json.dumps([
         {"id": o.id, "lease_version": o.lease_version, "kind": o.kind, "delay": o.delay,
-         "result": o.result, "error": o.error} for o in batch], ensure_ascii=False)}
+         "result": o.result, "error": o.error, "progress": o.progress} for o in batch],
+        ensure_ascii=False)}
 
 
 def error_json(job: Job, exc: BaseException) -> str:
@@ -81,6 +86,7 @@ def error_json(job: Job, exc: BaseException) -> str:
     return json.dumps({
         "attempt": job.attempt,
         "error": scrub_text(message[:ERROR_MAX_CHARS]),
+        "type": scrub_text(f"{type(exc).__module__}.{type(exc).__qualname__}"),
         "traceback": scrub_text(tb[-16_000:]),
     }, ensure_ascii=False)
 

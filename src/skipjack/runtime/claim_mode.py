@@ -14,6 +14,7 @@ are free, and a runner ends when its queue has no job for it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -25,7 +26,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from ..app import Task
-from ..context import Job, JobContext, set_current
+from ..context import Job, JobContext, current_job, set_current
 from ..db import Database, connection_lost
 from ..errors import ArgumentsError, HandlerTransactionError
 from ..hooks import Hooks
@@ -300,6 +301,9 @@ class ClaimModeRunners:
                                               f"{type(exc).__name__}: {exc}")
             outcome = decide(job, task, error=exc, ran=time.monotonic() - started)
         assert outcome is not None  # never a cancellation here
+        reported = current_job().reported  # written with the outcome (the claim is unseen)
+        if reported is not None:
+            outcome = dataclasses.replace(outcome, progress=reported)
         return outcome
 
     def _after_ended_transaction(self, conn: psycopg.Connection[Any], job: Job,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import inspect
 import logging
@@ -33,14 +34,14 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from ..app import Task
+from ..app import Task, TransactionSource
 from ..context import CancelCause, Job, JobContext, set_current
 from ..db import Database
 from ..errors import ArgumentsError, HandlerTransactionError, Snooze
 from ..hooks import Hooks
 from ..jobs import dump_result
 from ..outcome import UNKNOWN_TASK_GRACE, Outcome, decide, outcome_params
-from ..sql.claim import LIFT_IDLE_TIMEOUT
+from ..sql.claim import LIFT_IDLE_TIMEOUT, LIFT_IDLE_TIMEOUT_LOCAL
 from .completer import Completer
 from .heartbeat import Leases
 from .report import Reporter, WorkerStats
@@ -73,6 +74,9 @@ class Executor:
         unknown_task_grace: seconds after its enqueue during which a job of a task this
             worker does not know is released for another worker (see
             :func:`skipjack.outcome.decide`).
+        transactions: the app's ``complete_transaction`` (see :class:`skipjack.App`): where
+            sync ``transaction="complete"`` handlers get their transaction; None: the
+            executor's own pool.
     """
 
     def __init__(self, db: Database, tasks: Mapping[str, Task], slots: Slots, leases: Leases,
@@ -80,7 +84,8 @@ class Executor:
                  stopping: asyncio.Event, *,
                  concurrency: int, large_args_concurrency: int,
                  on_slot_freed: Callable[[str | None], None],
-                 unknown_task_grace: float = UNKNOWN_TASK_GRACE) -> None:
+                 unknown_task_grace: float = UNKNOWN_TASK_GRACE,
+                 transactions: TransactionSource | None = None) -> None:
         self._db = db
         self._tasks = tasks
         self._slots = slots
@@ -93,6 +98,7 @@ class Executor:
         self._concurrency = concurrency
         self._on_slot_freed = on_slot_freed
         self._unknown_task_grace = unknown_task_grace
+        self._transactions = transactions
         self._unknown_warned: dict[str, float] = {}  # task name -> when it was last logged
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="skipjack-job")
         self._large_args = asyncio.Semaphore(large_args_concurrency)
@@ -167,7 +173,9 @@ class Executor:
 
     def _start(self, job: Job) -> None:
         task = self._tasks.get(job.task)
-        running = Running(job, JobContext(job), is_async=task is not None and task.is_async)
+        ctx = JobContext(job)
+        ctx.on_progress = functools.partial(self._leases.report, job.id, job.lease_version)
+        running = Running(job, ctx, is_async=task is not None and task.is_async)
         self._slots.running[job.id] = running
         running.task = asyncio.get_running_loop().create_task(self._execute(running))
 
@@ -260,6 +268,8 @@ class Executor:
             self.fill()  # the next buffered job takes the slot at once
             self._on_slot_freed(job.queue)
         if outcome is not None:
+            if ctx.reported is not None:
+                outcome = dataclasses.replace(outcome, progress=ctx.reported)
             self._completer.submit(outcome)
             return
         self._leases.remove(job.id, job.lease_version)
@@ -314,10 +324,17 @@ class Executor:
                 async with self._apool.connection() as aconn:
                     return await run_complete_async(aconn, q.RECORD_OUTCOMES, ctx, fn, args,
                                                     finishing, q.DB_NOW)
-            pool = self.pool
+            pool, source = self.pool, self._transactions
             assert pool is not None
 
             def complete() -> bool:
+                if source is not None:
+                    with source() as conn:
+                        conn.execute(LIFT_IDLE_TIMEOUT_LOCAL)  # and begins the transaction
+                        # the job's block is then a savepoint of the application's
+                        # transaction, committed when the source's block ends
+                        return run_complete(conn, q.RECORD_OUTCOMES, ctx, fn, args,
+                                            finishing, q.DB_NOW)
                 with pool.connection() as conn:
                     return run_complete(conn, q.RECORD_OUTCOMES, ctx, fn, args, finishing,
                                         q.DB_NOW)
@@ -426,7 +443,7 @@ async def transaction_now_async(conn: psycopg.AsyncConnection[Any],
 def _completion(ctx: JobContext, result: Any) -> dict[str, str]:
     job = ctx.job
     return outcome_params([Outcome(job.id, job.lease_version, job.queue, "complete",
-                                   result=dump_result(result))])
+                                   result=dump_result(result), progress=ctx.reported)])
 
 
 def run_complete(conn: psycopg.Connection[Any], record: bytes, ctx: JobContext,

@@ -7,6 +7,7 @@ for a connection that handlers use.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -19,6 +20,8 @@ import psycopg
 from ..db import Database, ReconnectDelay
 
 log = logging.getLogger("skipjack.heartbeat")
+
+PROGRESS_INTERVAL = 1.0  # seconds: the most often a job's progress is written
 
 
 @dataclass
@@ -34,6 +37,7 @@ class Lease:
     # claim (nothing to renew, nothing lost) until its handler commits it itself; it is then
     # renewed like any other.
     uncommitted: bool = False
+    progress: str | None = None  # a progress report not written yet (JSON text)
 
 
 @dataclass
@@ -56,6 +60,24 @@ class Leases:
             lease = self.by_id.get(job_id)
             if lease is not None and lease.lease_version == lease_version:
                 lease.finishing = True
+
+    def report(self, job_id: int, lease_version: int, progress: str) -> None:
+        """A handler reported progress (JSON text): the heartbeat thread writes it."""
+        with self.lock:
+            lease = self.by_id.get(job_id)
+            if lease is not None and lease.lease_version == lease_version:
+                lease.progress = progress
+
+    def take_progress(self) -> list[dict[str, Any]]:
+        """The progress reports not written yet ({id, lease_version, progress}), cleared."""
+        out = []
+        with self.lock:
+            for x in self.by_id.values():
+                if x.progress is not None:
+                    out.append({"id": x.id, "lease_version": x.lease_version,
+                                "progress": json.loads(x.progress)})
+                    x.progress = None
+        return out
 
     def remove(self, job_id: int, lease_version: int) -> None:
         with self.lock:
@@ -116,8 +138,14 @@ class HeartbeatThread(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
-        while not self._stop_event.wait(self._interval):
+        tick = min(self._interval, PROGRESS_INTERVAL)
+        last_beat = time.monotonic()
+        while not self._stop_event.wait(tick):
             try:
+                self._write_progress()
+                if time.monotonic() - last_beat < self._interval - tick / 2:
+                    continue
+                last_beat = time.monotonic()
                 self._beat()
                 if self._reconnect.reset():
                     log.info("heartbeat: the database is reachable again")
@@ -134,6 +162,16 @@ class HeartbeatThread(threading.Thread):
                 self._expire_local()
         if self._conn is not None:
             self._conn.close()
+
+    def _write_progress(self) -> None:
+        """Write the progress reports made since the last tick, in one statement."""
+        pending = self._leases.take_progress()
+        if not pending:
+            return
+        if self._conn is None or self._conn.closed:
+            self._conn = self._db.connect()
+        self._conn.execute(self._db.queries.RECORD_PROGRESS,
+                           {"progress": json.dumps(pending, ensure_ascii=False)})
 
     def _beat(self) -> None:
         started = time.monotonic()

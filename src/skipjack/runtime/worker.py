@@ -232,7 +232,8 @@ class Worker:
                                   concurrency=self.concurrency,
                                   large_args_concurrency=self.large_args_concurrency,
                                   on_slot_freed=lambda q: self._producer.slot_freed(q),
-                                  unknown_task_grace=self.unknown_task_grace)
+                                  unknown_task_grace=self.unknown_task_grace,
+                                  transactions=self.app.complete_transaction)
         self._claim_mode = ClaimModeRunners(db, self.app.tasks, self.queues, self._slots,
                                             self._leases, self._executor, self._report,
                                             self.app.hooks, self.stats,

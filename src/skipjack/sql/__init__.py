@@ -28,7 +28,7 @@ from typing import overload
 
 from psycopg import sql
 
-from . import admin, claim, cron, enqueue, maintenance, outcomes, schema, workers
+from . import admin, claim, cron, enqueue, maintenance, outcomes, results, schema, workers
 
 
 def render(template: str, schema: str, **literals: object) -> sql.Composed:
@@ -112,6 +112,11 @@ class Queries:
     # outcomes and lease renewal (fenced)
     RECORD_OUTCOMES = Statement(outcomes.RECORD_OUTCOMES)
     HEARTBEAT = Statement(outcomes.HEARTBEAT)
+    RECORD_PROGRESS = Statement(results.RECORD_PROGRESS)
+
+    # waiting for an outcome
+    MARK_AWAITED = Statement(results.MARK_AWAITED)
+    JOB_OUTCOME = Statement(results.JOB_OUTCOME)
 
     # maintenance: stager, rescuer, pruner, the notification queue's watch
     STAGE = Statement(maintenance.STAGE)
@@ -146,6 +151,9 @@ class Queries:
     RUNNING_JOBS = Statement(admin.RUNNING_JOBS)
     SET_STATEMENT_TIMEOUT = Statement(admin.SET_STATEMENT_TIMEOUT)
     JOB_STATES = Statement(admin.JOB_STATES)
+    RUNNABLE_NOW = Statement(admin.RUNNABLE_NOW)
+    ENQUEUED = Statement(admin.ENQUEUED)
+    STATES_IN_QUEUES = Statement(admin.STATES_IN_QUEUES)
 
     def job_search(self, conditions: tuple[str, ...], time: str = "created", *,
                    ids_only: bool = False, ascending: bool = False) -> bytes:

@@ -58,7 +58,7 @@ SELECT id, queue, task, state, attempt, max_attempts, priority, run_at, created_
 GET_JOB = """
 SELECT id, queue, task, args, state, attempt, max_attempts, priority, run_at, created_at,
        attempted_at, finished_at, lease_expires_at, lease_version, worker, idempotency_key,
-       cancel_requested, errors, result, metadata
+       cancel_requested, errors, result, metadata, progress
   FROM {schema}.jobs WHERE id = %(id)s
 """
 
@@ -233,4 +233,26 @@ def job_search(conditions: tuple[str, ...], time: str, *, ids_only: bool = False
 # The states of some jobs (missing: no such job), to say why an action left them alone.
 JOB_STATES = """
 SELECT id, state, cancel_requested FROM {schema}.jobs WHERE id = ANY(%(id)s::bigint[])
+"""
+
+# Jobs that a worker would run now, in some queues (the test helpers' drain waits for none):
+# waiting, running, or scheduled and due.
+RUNNABLE_NOW = """
+SELECT count(*) FROM {schema}.jobs
+ WHERE queue = ANY(%(queues)s::text[])
+   AND (state IN ('available', 'running') OR (state = 'scheduled' AND run_at <= now()))
+"""
+
+# Jobs by state in some queues (what a drain reports).
+STATES_IN_QUEUES = """
+SELECT state, count(*) FROM {schema}.jobs WHERE queue = ANY(%(queues)s::text[]) GROUP BY state
+"""
+
+# The jobs of a task (or of every task), oldest first, for the test helpers' assertions.
+ENQUEUED = """
+SELECT id, queue, task, args, state, priority, run_at, idempotency_key, max_attempts
+  FROM {schema}.jobs
+ WHERE (%(task)s::text IS NULL OR task = %(task)s::text)
+ ORDER BY id
+ LIMIT %(limit)s
 """

@@ -154,6 +154,11 @@ SELECT name FROM {schema}.queues WHERE concurrency_limit IS NOT NULL OR rate_lim
 # sets its own, its lease, with SET_IDLE_TIMEOUT). Schema-free: run on each new connection.
 LIFT_IDLE_TIMEOUT = "SET idle_in_transaction_session_timeout = 0"
 
+# The same for one transaction of a connection the application gave (a framework's, for a
+# transaction="complete" handler); it also begins that transaction on a connection that is
+# not in autocommit, so that the job's own block in it is a savepoint.
+LIFT_IDLE_TIMEOUT_LOCAL = "SET LOCAL idle_in_transaction_session_timeout = 0"
+
 # Claim-mode transactions: the server ends the session, rolling the claim back, if the
 # worker leaves the transaction idle longer than the job's lease.
 SET_IDLE_TIMEOUT = """

@@ -17,6 +17,7 @@ from __future__ import annotations
 #                 or the job's own transaction lost its connection to the database).
 # A job runnable later is 'scheduled', one runnable now 'available'. A job whose
 # cancellation was requested ends 'cancelled' instead of being retried or released.
+# progress is the handler's last progress report, kept when null.
 # Times are statement_timestamp(): in a handler's own transaction now() is its start.
 # Rows are matched on (id, lease_version, state = 'running'): stale outcomes change nothing
 # and are missing from RETURNING, which gives each written job's new state and, for a retry or
@@ -53,13 +54,15 @@ UPDATE {schema}.jobs AS j
                     THEN j.worker  -- a finished job keeps the worker that ran it last
                 END,
        result = o.result::jsonb,
+       progress = coalesce(o.progress::jsonb, j.progress),
        errors = CASE WHEN o.error IS NULL THEN j.errors
                      ELSE j.errors || jsonb_build_array(o.error::jsonb
                           || jsonb_build_object('at', statement_timestamp(), 'worker', j.worker,
                                                 'started_at', j.attempted_at))
                 END
   FROM json_to_recordset(%(outcomes)s::json)
-       AS o(id bigint, lease_version bigint, kind text, delay float8, result text, error text)
+       AS o(id bigint, lease_version bigint, kind text, delay float8, result text, error text,
+            progress text)
  WHERE j.id = o.id AND j.lease_version = o.lease_version AND j.state = 'running'
 RETURNING j.id, j.state, CASE WHEN o.kind IN ('retry', 'release') THEN j.run_at END
 """

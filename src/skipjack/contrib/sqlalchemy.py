@@ -1,0 +1,83 @@
+"""SQLAlchemy 2 (extra ``skipjack[sqlalchemy]``; the ``postgresql+psycopg`` driver).
+
+Enqueue in a session's transaction by passing it as ``conn``: ``Session``, ``Connection``,
+``AsyncSession`` and ``AsyncConnection`` are accepted (see :mod:`skipjack.connections`)::
+
+    with Session(engine) as session, session.begin():
+        session.add(Order(id=7))
+        app.enqueue(ship.job(order_id=7), conn=session)   # committed with the order
+
+ORM writes of a ``transaction="complete"`` handler commit with its fenced completion, exactly
+once, when the app takes those transactions from the engine::
+
+    app = skipjack.App(dsn, complete_transaction=job_transactions(engine))
+
+    @app.task(transaction="complete")
+    def ship(order_id: int) -> None:
+        with session() as s:
+            s.get(Order, order_id).shipped = True
+            s.commit()       # releases the session's savepoint; the job's transaction commits
+                             # when the completion is written
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session
+
+from ..app import TransactionSource
+from ..connections import sync_connection
+
+_connection: contextvars.ContextVar[Connection] = contextvars.ContextVar(
+    "skipjack_sqlalchemy_connection")
+
+
+def job_transactions(engine: Engine) -> TransactionSource:
+    """A ``complete_transaction`` for :class:`skipjack.App`: each sync
+    ``transaction="complete"`` handler runs in a transaction of a connection from ``engine``'s
+    pool, which :func:`session` joins.
+
+    Args:
+        engine: a sync engine on the ``postgresql+psycopg`` driver, to the app's database.
+
+    Raises:
+        ValidationError: (when a job runs) the engine is not on psycopg 3.
+    """
+
+    @contextmanager
+    def transaction() -> Iterator[psycopg.Connection[Any]]:
+        with engine.connect() as connection, connection.begin():
+            token = _connection.set(connection)
+            try:
+                yield sync_connection(connection)
+            finally:
+                _connection.reset(token)
+
+    return transaction
+
+
+def session(**kwargs: Any) -> Session:
+    """A new ``Session`` in the running job's transaction (a ``transaction="complete"``
+    handler of an app built with :func:`job_transactions`). Its ``commit()`` releases a
+    savepoint and its ``rollback()`` rolls back to it: the job's transaction itself commits
+    with the fenced completion, or rolls back if the handler raises or the completion is
+    stale. Close it (``with session() as s:``) before the handler returns.
+
+    Args:
+        kwargs: further ``Session`` arguments (not ``bind``).
+
+    Raises:
+        LookupError: not in such a handler.
+    """
+    connection = _connection.get(None)
+    if connection is None:
+        raise LookupError("skipjack.contrib.sqlalchemy.session() is for transaction="
+                          "'complete' handlers of an App(complete_transaction="
+                          "job_transactions(engine))")
+    return Session(bind=connection, join_transaction_mode="create_savepoint", **kwargs)

@@ -1,0 +1,35 @@
+"""Statements behind :class:`skipjack.JobHandle` (waiting for a job's outcome) and a
+handler's progress reports."""
+
+from __future__ import annotations
+
+# A caller is about to wait for this job: its end will be announced (the jobs_finished
+# trigger of migration 6). A finished job is left as it is; so is one already awaited (no
+# write at all).
+MARK_AWAITED = """
+UPDATE {schema}.jobs SET awaited = true
+ WHERE id = %(id)s AND NOT awaited AND state IN ('scheduled', 'available', 'running')
+"""
+
+# What a waiter reads: the state, the result or the errors, and the progress.
+JOB_OUTCOME = """
+SELECT state, result, errors, progress, attempt, max_attempts
+  FROM {schema}.jobs WHERE id = %(id)s
+"""
+
+# The latest progress of running jobs, fenced like the outcome: a job whose lease this worker
+# lost keeps what its new owner wrote. One JSON array of {id, lease_version, progress}. It
+# never waits on a row lock (SKIP LOCKED, as the heartbeat): a locked job is being completed,
+# and its outcome carries its last progress anyway.
+RECORD_PROGRESS = """
+WITH p AS (
+    SELECT * FROM json_to_recordset(%(progress)s::json)
+                  AS p(id bigint, lease_version bigint, progress jsonb)
+), locked AS (
+    SELECT j.id, p.progress FROM {schema}.jobs AS j
+      JOIN p ON j.id = p.id AND j.lease_version = p.lease_version
+     WHERE j.state = 'running'
+       FOR NO KEY UPDATE OF j SKIP LOCKED
+)
+UPDATE {schema}.jobs AS j SET progress = locked.progress FROM locked WHERE j.id = locked.id
+"""

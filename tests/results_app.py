@@ -1,0 +1,46 @@
+"""Tasks for the tests of results and progress (``results_app:app``), run by real worker
+processes. The schema and DSN come from SKIPJACK_SCHEMA and SKIPJACK_DATABASE_URL."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from psycopg import sql
+
+from skipjack import App, current_job
+
+app = App(schema=os.environ.get("SKIPJACK_SCHEMA", "skipjack"))
+
+
+@app.task(name="add")
+def add(a: int, b: int) -> dict[str, int]:
+    return {"sum": a + b}
+
+
+@app.task(name="add_async")
+async def add_async(a: int, b: int) -> int:
+    return a + b
+
+
+@app.task(name="boom", max_attempts=1)
+def boom(message: str) -> None:
+    raise ValueError(message)
+
+
+@app.task(name="stepwise")
+def stepwise(gate: str) -> str:
+    """Report one step, wait (up to a minute) until the test opens the gate (a row in the
+    schema's gates table), then report the second step."""
+    ctx = current_job()
+    ctx.progress({"done": 1, "total": 2})
+    statement = sql.SQL("SELECT 1 FROM {}.gates WHERE name = %s").format(
+        sql.Identifier(app.schema))
+    deadline = time.monotonic() + 60
+    with app.connect() as conn:
+        while conn.execute(statement, (gate,)).fetchone() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the gate never opened")
+            time.sleep(0.02)
+    ctx.progress({"done": 2, "total": 2})
+    return "through"

@@ -1,0 +1,147 @@
+"""Waiting for outcomes (JobHandle.result) and progress, against real worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from psycopg import sql
+
+from skipjack import App, JobFailed, JobHandle, JobNotFound, ResultTimeout, ValidationError
+from skipjack import results as results_module
+from skipjack.context import JobContext
+
+from support import TESTS, WorkerProcess, query, wait_until
+
+FAST = ["--lease", "2", "--heartbeat", "0.3", "--poll-interval", "0.5"]
+
+
+@pytest.fixture
+def tasks(app: App) -> App:
+    """The app with results_app's task names, and the gates table of its stepwise task."""
+    with app.connect() as conn:
+        conn.execute(sql.SQL("CREATE TABLE {}.gates (name text PRIMARY KEY)").format(
+            sql.Identifier(app.schema)))
+    for name in ("add", "add_async", "stepwise"):
+        app.task(name=name)(lambda **kw: None)
+    app.task(name="boom", max_attempts=1)(lambda **kw: None)
+    return app
+
+
+def worker(app: App, tmp_path: Path) -> WorkerProcess:
+    return WorkerProcess(app.dsn, app.schema, ["default"], *FAST, app="results_app:app",
+                         log=tmp_path / "worker.log")
+
+
+def test_a_handle_is_the_id(tasks: App) -> None:
+    handle = tasks.tasks["add"].configure(queue="nobody").enqueue(a=1, b=2)
+    assert isinstance(handle, JobHandle) and isinstance(handle, int)
+    assert handle.id == int(handle) and json.dumps({"id": handle}) == f'{{"id": {handle.id}}}'
+    assert pickle.loads(pickle.dumps(handle)) == handle.id
+    assert query(tasks.dsn, "SELECT id FROM {schema}.jobs WHERE id = %s", (handle,),
+                 tasks.schema) == [(handle.id,)]
+    assert handle.state() == "available" and handle.progress() is None
+
+
+def test_result_returns_the_value_woken_by_the_notification(
+        tasks: App, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # with the fallback reads an hour apart, only the notification can end these waits
+    monkeypatch.setattr(results_module, "POLL_INTERVAL", 3600.0)
+    with worker(tasks, tmp_path):
+        handle = tasks.tasks["add"].enqueue(a=2, b=3)
+        assert handle.result(timeout=60) == {"sum": 5}
+        later = tasks.tasks["add_async"].enqueue(a=20, b=22)
+        assert asyncio.run(later.result_async(timeout=60)) == 42
+        # a handle made from a bare id waits the same way, and a finished job answers at once
+        assert tasks.job_handle(int(handle)).result(timeout=0) == {"sum": 5}
+
+
+def test_result_raises_the_error_of_a_discarded_job(tasks: App, tmp_path: Path) -> None:
+    with worker(tasks, tmp_path):
+        handle = tasks.tasks["boom"].enqueue(message="the disk is full")
+        with pytest.raises(JobFailed) as failed:
+            handle.result(timeout=60)
+    assert failed.value.state == "discarded" and failed.value.job_id == handle.id
+    assert "ValueError: the disk is full" in str(failed.value)
+    assert failed.value.errors[-1]["type"] == "builtins.ValueError"
+    assert "raise ValueError(message)" in str(failed.value.errors[-1]["traceback"])
+
+
+def test_result_times_out_cleanly_and_changes_nothing(tasks: App) -> None:
+    handle = tasks.tasks["add"].configure(queue="nobody").enqueue(a=1, b=1)
+    with pytest.raises(ResultTimeout, match=rf"job {handle.id} had not ended within 0.3s"):
+        handle.result(timeout=0.3)
+    with pytest.raises(ResultTimeout):
+        asyncio.run(handle.result_async(timeout=0.3))
+    assert query(tasks.dsn, "SELECT state, attempt FROM {schema}.jobs WHERE id = %s",
+                 (handle,), tasks.schema) == [("available", 0)]
+    for bad in (-1, "5", float("nan"), True):
+        with pytest.raises(ValidationError, match="timeout"):
+            handle.result(timeout=bad)  # type: ignore[arg-type]
+
+
+def test_a_cancel_by_hand_wakes_the_waiter(tasks: App,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(results_module, "POLL_INTERVAL", 3600.0)
+    handle = tasks.tasks["add"].configure(queue="nobody").enqueue(a=1, b=1)
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            handle.result(timeout=60)
+        except BaseException as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    wait_until(lambda: query(tasks.dsn, "SELECT awaited FROM {schema}.jobs WHERE id = %s",
+                             (handle,), tasks.schema) == [(True,)])
+    tasks.cancel([handle.id])
+    waiter.join(60)
+    assert len(raised) == 1 and isinstance(raised[0], JobFailed)
+    assert raised[0].state == "cancelled"
+
+
+def test_without_notifications_the_waiter_polls(tasks: App, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(results_module, "POLL_INTERVAL", 0.05)
+    monkeypatch.setattr(results_module, "done_channel_name", lambda schema: "nobody_sends")
+    with worker(tasks, tmp_path):
+        assert tasks.tasks["add"].enqueue(a=4, b=4).result(timeout=60) == {"sum": 8}
+
+
+def test_no_such_job(tasks: App) -> None:
+    with pytest.raises(JobNotFound, match="no job 999999999"):
+        tasks.job_handle(999_999_999).result(timeout=5)
+
+
+def test_progress_is_visible_while_the_job_runs_and_after(tasks: App, tmp_path: Path) -> None:
+    with worker(tasks, tmp_path):
+        handle = tasks.tasks["stepwise"].enqueue(gate="g1")
+        wait_until(lambda: handle.progress() == {"done": 1, "total": 2})
+        assert handle.state() == "running"
+        assert tasks.get_job(handle.id)["progress"] == {"done": 1, "total": 2}  # type: ignore[index]
+        shown = subprocess.run(
+            [sys.executable, "-m", "skipjack", "--dsn", tasks.dsn, "--schema", tasks.schema,
+             "jobs", "show", str(handle.id)], cwd=TESTS, capture_output=True, text=True,
+            check=True)
+        assert json.loads(shown.stdout)["progress"] == {"done": 1, "total": 2}
+        query(tasks.dsn, "INSERT INTO {schema}.gates VALUES ('g1')", schema=tasks.schema)
+        assert handle.result(timeout=60) == "through"
+    # the last report, made just before the end, came with the outcome
+    assert handle.progress() == {"done": 2, "total": 2}
+
+
+def test_progress_refuses_what_is_not_json() -> None:
+    ctx = JobContext(job=None)  # type: ignore[arg-type]
+    for bad in (float("nan"), {1, 2}, "x" * 70_000, "a\x00b"):
+        with pytest.raises(ValidationError, match="progress"):
+            ctx.progress(bad)
+    ctx.progress({"done": 3})
+    assert ctx.reported == '{"done":3}'
