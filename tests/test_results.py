@@ -44,6 +44,7 @@ def test_a_handle_is_the_id(tasks: App) -> None:
     assert isinstance(handle, JobHandle) and isinstance(handle, int)
     assert handle.id == int(handle) and json.dumps({"id": handle}) == f'{{"id": {handle.id}}}'
     assert pickle.loads(pickle.dumps(handle)) == handle.id
+    assert str(handle) == f"{handle}" == str(handle.id) and repr(handle) == f"JobHandle({handle})"
     assert query(tasks.dsn, "SELECT id FROM {schema}.jobs WHERE id = %s", (handle,),
                  tasks.schema) == [(handle.id,)]
     assert handle.state() == "available" and handle.progress() is None

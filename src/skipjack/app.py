@@ -181,8 +181,9 @@ class App(Admin):
     documented in :class:`skipjack.admin.Admin`.
 
     Args:
-        dsn: a libpq connection string or URI. None: ``$SKIPJACK_DATABASE_URL``, then
-            ``$DATABASE_URL``, then the embedded PostgreSQL server.
+        dsn: a libpq connection string or URI, or a callable returning one (called on first
+            use). None: ``$SKIPJACK_DATABASE_URL``, then ``$DATABASE_URL``, then the
+            embedded PostgreSQL server.
         schema: the schema holding skipjack's tables (lower-case identifier, <= 63 bytes).
             None: ``$SKIPJACK_SCHEMA``, else ``skipjack``.
         max_args_bytes: the limit on serialised job args, in bytes (<= 255 MiB, jsonb's own
@@ -210,7 +211,7 @@ class App(Admin):
 
     def __init__(
         self,
-        dsn: str | None = None,
+        dsn: str | Callable[[], str] | None = None,
         *,
         schema: str | None = None,
         max_args_bytes: int = DEFAULT_MAX_ARGS_BYTES,
@@ -349,7 +350,8 @@ class App(Admin):
                 timeout=check_timeout(timeout),
                 arguments=HandlerArguments.of(f),
             )
-            existing = self.tasks.get(task_name)
+            # registered ones only (a registry that resolves names on lookup must not)
+            existing = self.tasks[task_name] if task_name in self.tasks else None
             if existing is not None and existing.fn is not f:
                 raise ValidationError("task", f"name {task_name!r} is already registered")
             self.tasks[task_name] = task

@@ -612,10 +612,18 @@ def parse_duration(value: str) -> float:
         raise click.BadParameter(f"{value!r} is not a duration like 2s, 500ms or 7d") from None
 
 
-def run() -> None:
-    """Entry point that turns skipjack errors into a message and exit status 2."""
+def run(args: list[str] | None = None, obj: dict[str, Any] | None = None,
+        prog_name: str | None = None) -> None:
+    """Entry point that turns skipjack errors into a message and exit status 2.
+
+    Args:
+        args: the command line after the program's name (default ``sys.argv[1:]``).
+        obj: set into the click context, e.g. ``{"app": app}`` for the commands to use
+            that app (the Django management command does).
+        prog_name: the name usage lines show.
+    """
     try:
-        main(standalone_mode=True)
+        main(args=args, obj=obj, prog_name=prog_name, standalone_mode=True)
     except SkipjackError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -121,15 +122,18 @@ class Database:
     """Where an app's jobs live: a DSN, a schema and its statements, and connections.
 
     Args:
-        dsn: a libpq connection string or URI; None resolves it on first use with
-            :func:`resolve_dsn` (which may start the embedded server).
+        dsn: a libpq connection string or URI, or a callable returning one (called on first
+            use); None resolves it on first use with :func:`resolve_dsn` (which may start
+            the embedded server).
         schema: the schema of skipjack's tables (validated by the caller).
         prepare: let psycopg prepare statements it runs often; False for a
             transaction-mode pooler that cannot keep prepared statements.
     """
 
-    def __init__(self, dsn: str | None, schema: str, *, prepare: bool = True) -> None:
-        self._dsn = dsn
+    def __init__(self, dsn: str | Callable[[], str] | None, schema: str, *,
+                 prepare: bool = True) -> None:
+        self._dsn = dsn if isinstance(dsn, str) else None
+        self._resolve = dsn if callable(dsn) else resolve_dsn
         self._lock = threading.Lock()
         self.schema = schema
         self.queries = Queries(schema)
@@ -143,7 +147,7 @@ class Database:
         """The resolved connection string (starts the embedded server when it is the one)."""
         with self._lock:
             if self._dsn is None:
-                self._dsn = resolve_dsn()
+                self._dsn = self._resolve()
             return self._dsn
 
     @dsn.setter

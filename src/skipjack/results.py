@@ -49,6 +49,9 @@ class JobHandle(int):
     def __repr__(self) -> str:
         return f"JobHandle({int(self)})"
 
+    def __str__(self) -> str:  # the id, as for an int
+        return int.__repr__(self)
+
     def __reduce__(self) -> tuple[type[int], tuple[int]]:  # pickles as the bare id
         return int, (int(self),)
 

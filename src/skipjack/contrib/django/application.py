@@ -1,0 +1,213 @@
+"""The project's skipjack app, configured from Django's settings: :class:`DjangoApp`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import psycopg
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.db import close_old_connections, connections, transaction
+from django.utils.module_loading import autodiscover_modules
+
+from ...app import App, Task
+from ...connections import sync_connection
+from ...context import Job
+from ...errors import ValidationError
+from ...hooks import Hook
+from ...jobs import JobSpec
+from ...migrate import migrate
+
+SETTINGS = {"DATABASE", "SCHEMA", "AUTODISCOVER", "POOL_SIZE", "PREPARE", "MAX_ARGS_BYTES"}
+
+
+def skipjack_settings() -> dict[str, Any]:
+    """``settings.SKIPJACK`` (a dict; every key optional, see the package's doc).
+
+    Raises:
+        ImproperlyConfigured: it is not a dict, has an unknown key, or names a database
+            alias that ``DATABASES`` does not have.
+    """
+    conf = getattr(settings, "SKIPJACK", {})
+    if not isinstance(conf, dict):
+        raise ImproperlyConfigured("settings.SKIPJACK must be a dict")
+    unknown = set(conf) - SETTINGS
+    if unknown:
+        raise ImproperlyConfigured(f"settings.SKIPJACK: unknown key(s) {sorted(unknown)}; "
+                                   f"known: {sorted(SETTINGS)}")
+    alias = conf.get("DATABASE", "default")
+    if alias not in settings.DATABASES:
+        raise ImproperlyConfigured(f"settings.SKIPJACK['DATABASE'] is {alias!r}, which "
+                                   f"settings.DATABASES does not have")
+    return conf
+
+
+def conninfo(alias: str) -> str:
+    """A libpq connection string for the database ``alias`` as Django connects to it now
+    (its test database during tests).
+
+    Raises:
+        ImproperlyConfigured: the alias is not a PostgreSQL database.
+    """
+    wrapper = connections[alias]
+    if wrapper.vendor != "postgresql":
+        raise ImproperlyConfigured(f"skipjack needs PostgreSQL: DATABASES[{alias!r}] is "
+                                   f"{wrapper.vendor}")
+    keywords = {o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults()}
+    params = {k: v for k, v in wrapper.get_connection_params().items()
+              if k in keywords and v is not None and v != ""}
+    return psycopg.conninfo.make_conninfo(**params)
+
+
+class DjangoConnections(Hook):
+    """Around each sync handler, as Django does around a request: close the thread's
+    connections that broke or outlived ``CONN_MAX_AGE``, before and after. Skipped inside an
+    atomic block (a ``"complete"`` handler's) and on an event loop (async handlers reach the
+    ORM through ``sync_to_async``, which manages its own)."""
+
+    def run(self, job: Job) -> AbstractContextManager[object] | None:
+        try:
+            asyncio.get_running_loop()
+            return None
+        except RuntimeError:
+            pass
+        if any(c.in_atomic_block for c in connections.all(initialized_only=True)):
+            return None
+        return _closing_old()
+
+
+@contextmanager
+def _closing_old() -> Iterator[None]:
+    close_old_connections()
+    try:
+        yield
+    finally:
+        close_old_connections()
+
+
+class _Tasks(dict[str, Task]):
+    """The app's task registry, which also knows the tasks of Django's Tasks framework
+    routed to a skipjack backend (by their module path, on first use)."""
+
+    def __init__(self, app: DjangoApp) -> None:
+        super().__init__()
+        self._app = app
+        self._unknown: set[str] = set()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        task = super().get(name)
+        if task is None and name not in self._unknown:
+            from .tasks import runner_for_path
+            task = runner_for_path(self._app, name)
+            if task is None:
+                self._unknown.add(name)
+        return default if task is None else task
+
+
+class DjangoApp(App):
+    """A :class:`skipjack.App` on a database of Django's ``DATABASES``, configured by
+    ``settings.SKIPJACK``; the project's one is ``skipjack.contrib.django.app``.
+
+    Differences from :class:`skipjack.App`:
+
+    - an enqueue without ``conn`` runs on Django's connection of the alias, in this thread:
+      inside ``transaction.atomic()`` it joins that transaction (and savepoint), else it
+      commits at once; async enqueues run it through ``sync_to_async``;
+    - sync ``transaction="complete"`` handlers run inside ``transaction.atomic()`` on the
+      worker thread's Django connection, so their ORM writes commit with the completion;
+    - handlers run with Django's connections managed as around a request;
+    - the tasks of Django's Tasks framework sent to :class:`.tasks.SkipjackBackend` run too.
+
+    Args:
+        alias: the database alias (default ``SKIPJACK["DATABASE"]``, else ``"default"``).
+        kwargs: as for :class:`skipjack.App` (defaults from ``settings.SKIPJACK``).
+
+    Raises:
+        ImproperlyConfigured: bad ``settings.SKIPJACK``.
+        ValidationError: a setting out of range (see :class:`skipjack.App`).
+    """
+
+    def __init__(self, alias: str | None = None, **kwargs: Any) -> None:
+        conf = skipjack_settings()
+        self.alias: str = alias or conf.get("DATABASE", "default")
+        kwargs.setdefault("schema", conf.get("SCHEMA"))
+        kwargs.setdefault("pool_size", conf.get("POOL_SIZE", 4))
+        kwargs.setdefault("prepare", conf.get("PREPARE", True))
+        if "MAX_ARGS_BYTES" in conf:
+            kwargs.setdefault("max_args_bytes", conf["MAX_ARGS_BYTES"])
+        kwargs.setdefault("complete_transaction", self._atomic)
+        hooks = [DjangoConnections(), *kwargs.pop("hooks", ())]
+        super().__init__(lambda: conninfo(self.alias), hooks=hooks, **kwargs)
+        self.tasks = _Tasks(self)
+
+    def default_connection(self) -> psycopg.Connection[Any]:
+        """Django's connection of the alias, in this thread (opened if it was not).
+
+        Raises:
+            ImproperlyConfigured: it is not on psycopg 3.
+        """
+        try:
+            return sync_connection(connections[self.alias])
+        except ValidationError as exc:
+            raise ImproperlyConfigured(f"DATABASES[{self.alias!r}]: {exc}") from None
+
+    async def enqueue_many_async(self, jobs: Iterable[JobSpec], *,
+                                 conn: object | None = None) -> list[int]:
+        """:meth:`skipjack.App.enqueue_many_async`; without ``conn``, the sync enqueue on
+        Django's connection through ``sync_to_async`` (the thread Django's async ORM
+        calls use)."""
+        if conn is not None:
+            return await super().enqueue_many_async(jobs, conn=conn)
+        specs = list(jobs)
+        enqueue = sync_to_async(self.enqueue_many, thread_sensitive=True)
+        ids: list[int] = await enqueue(specs)
+        return ids
+
+    @contextmanager
+    def _atomic(self) -> Iterator[psycopg.Connection[Any]]:
+        """A ``"complete"`` handler's transaction: ``transaction.atomic()`` on this thread's
+        Django connection of the alias, its old connections closed before and after."""
+        close_old_connections()
+        try:
+            with transaction.atomic(using=self.alias):
+                yield self.default_connection()
+        finally:
+            close_old_connections()
+
+    def migrate_django(self) -> list[int]:
+        """Apply skipjack's migrations to the alias's database as Django connects to it now
+        (its test database during tests), on a connection of their own."""
+        with psycopg.connect(conninfo(self.alias), autocommit=True) as conn:
+            return migrate(conn, self.schema)
+
+
+_app: DjangoApp | None = None
+_app_lock = threading.Lock()
+
+
+def get_app() -> DjangoApp:
+    """The project's :class:`DjangoApp` (made on first use)."""
+    global _app
+    with _app_lock:
+        if _app is None:
+            _app = DjangoApp()
+        return _app
+
+
+def autodiscover() -> None:
+    """Import the ``SKIPJACK["AUTODISCOVER"]`` module (default ``tasks``) of every installed
+    app that has one, so that workers know every task."""
+    module = skipjack_settings().get("AUTODISCOVER", "tasks")
+    if module:
+        autodiscover_modules(module)
+
+
+def register_backend_crons() -> None:
+    """Schedule the ``cron`` entries of every :class:`.tasks.SkipjackBackend` in ``TASKS``."""
+    from .tasks import register_crons
+    register_crons(get_app())
