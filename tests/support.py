@@ -125,9 +125,15 @@ class WorkerProcess:
 
     def __init__(self, dsn: str, schema: str, queues: list[str] | None = None,
                  *args: str, log: Path | None = None, env: dict[str, str] | None = None,
-                 app: str = "jobs_app:app", options: tuple[str, ...] = ()) -> None:
-        cmd = [sys.executable, "-m", "skipjack", "--dsn", dsn, "--schema", schema,
-               *options, "worker", app]
+                 app: str = "jobs_app:app", options: tuple[str, ...] = (),
+                 manage: Path | None = None) -> None:
+        """``manage``: a Django project's manage.py, to run ``manage.py skipjack worker``
+        (its app from the project's settings) instead."""
+        if manage is None:
+            cmd = [sys.executable, "-m", "skipjack", "--dsn", dsn, "--schema", schema,
+                   *options, "worker", app]
+        else:
+            cmd = [sys.executable, str(manage), "skipjack", *options, "worker"]
         for q in queues or ["default"]:
             cmd += ["--queue", q]
         cmd += list(args)
@@ -137,7 +143,8 @@ class WorkerProcess:
         full_env = {**os.environ, "SKIPJACK_SCHEMA": schema, "SKIPJACK_DATABASE_URL": dsn,
                     "SKIPJACK_APPLICATION_NAME": self.application_name, "PYTHONUNBUFFERED": "1",
                     **(env or {})}
-        self.proc = subprocess.Popen(cmd, cwd=TESTS, env=full_env, stdout=out,
+        self.proc = subprocess.Popen(cmd, cwd=manage.parent if manage else TESTS, env=full_env,
+                                     stdout=out,
                                      stderr=subprocess.STDOUT)
 
     @property

@@ -44,7 +44,7 @@ from .jobs import (
     unique_states_mask,
 )
 from .migrate import LOCK_ATTEMPTS, LOCK_TIMEOUT, check_schema, migrate
-from .results import JobHandle
+from .results import JobHandle, close_listener
 from .retry import Backoff
 
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -437,7 +437,9 @@ class App(Admin):
         return self._sync_pool().connection(timeout=READ_TIMEOUT)
 
     def close(self) -> None:
-        """Close the app's own connection pools (not connections handed to it)."""
+        """Close the app's own connection pools (not connections handed to it) and the
+        connection that waits for job ends (:meth:`JobHandle.result`)."""
+        close_listener(self)
         if self._pool is not None:
             self._pool.close()
             self._pool = None

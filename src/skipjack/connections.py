@@ -13,8 +13,20 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg.rows import tuple_row
+from psycopg.types.json import JsonbLoader, JsonLoader
 
 from .errors import ValidationError
+
+
+def reading_cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
+    """A cursor on a caller's connection that reads rows as skipjack expects whatever that
+    connection was set up with: tuples, and json/jsonb as Python values (Django's
+    connection, for one, leaves them as text)."""
+    cur = conn.cursor(row_factory=tuple_row)
+    cur.adapters.register_loader("jsonb", JsonbLoader)
+    cur.adapters.register_loader("json", JsonLoader)
+    return cur
 
 
 def _wrong(conn: object, detail: str) -> ValidationError:
@@ -55,7 +67,7 @@ def sync_connection(conn: object) -> psycopg.Connection[Any]:
             return _driver(conn, conn.connection.driver_connection, psycopg.Connection)
         raise _wrong(conn, "is not an SQLAlchemy Session or Connection (an async one? use "
                            "the async enqueue)")
-    if module.startswith("django.db.backends."):
+    if module.startswith(("django.db.backends.", "django.utils.connection")):  # or its proxy
         conn.ensure_connection()  # type: ignore[attr-defined]
         return _driver(conn, conn.connection, psycopg.Connection)  # type: ignore[attr-defined]
     if isinstance(conn, psycopg.AsyncConnection):

@@ -193,6 +193,14 @@ _LISTENERS: dict[int, Listener] = {}
 _LISTENERS_LOCK = threading.Lock()
 
 
+def close_listener(app: Admin) -> None:
+    """Stop the listener of ``app``'s waiters, if it runs (:meth:`skipjack.App.close`)."""
+    with _LISTENERS_LOCK:
+        listener = _LISTENERS.get(id(app))
+    if listener is not None and listener.app is app:
+        listener.close()
+
+
 def _listener(app: Admin) -> Listener:
     with _LISTENERS_LOCK:
         listener = _LISTENERS.get(id(app))
@@ -211,13 +219,25 @@ class Listener:
     """
 
     IDLE_CLOSE = 5.0  # seconds without waiters before the connection closes
+    TICK = 0.2  # seconds between the thread's looks at its waiters and its stop flag
 
     def __init__(self, app: Admin) -> None:
         self.app = app
         self._lock = threading.Lock()
         self._waiters: dict[int, list[Callable[[], None]]] = {}
         self._listening = threading.Event()
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def close(self) -> None:
+        """Stop listening and close the connection (waiters then only poll); the next
+        waiter starts it again."""
+        with self._lock:
+            thread = self._thread
+            self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5 * self.TICK + 1)
+        self._stop.clear()
 
     def add(self, job_id: int, wake: Callable[[], None]) -> None:
         """Call ``wake`` (from the listener's thread) whenever ``job_id``'s end is
@@ -253,9 +273,13 @@ class Listener:
                     self._listening.set()
                     backoff.reset()
                     while True:
-                        for note in conn.notifies(timeout=1.0):
+                        for note in conn.notifies(timeout=self.TICK):
                             self._wake(note.payload)
                         with self._lock:
+                            if self._stop.is_set():
+                                self._listening.clear()
+                                self._thread = None
+                                return
                             if self._waiters:
                                 idle_since = None
                             elif idle_since is None:

@@ -48,10 +48,11 @@ from .runtime.worker import Worker
 
 
 def drain(app: App, queues: Iterable[str] | None = None, *, timeout: float = 60.0,
-          concurrency: int = 1) -> dict[str, int]:
-    """Run jobs with a real worker in this process until no job of ``queues`` is runnable
-    (waiting, running, or scheduled and due); jobs scheduled later, retries included, stay
-    scheduled. Jobs enqueued in a transaction still open are not seen: commit first.
+          concurrency: int = 1, scheduled_within: float = 1.0) -> dict[str, int]:
+    """Run jobs with a real worker in this process until no job of ``queues`` is runnable:
+    waiting, running, or scheduled to run within ``scheduled_within`` seconds (so that
+    retries with short delays run too); jobs scheduled later stay scheduled. Jobs enqueued in
+    a transaction still open are not seen: commit first.
 
     Args:
         app: the app whose tasks run.
@@ -60,6 +61,7 @@ def drain(app: App, queues: Iterable[str] | None = None, *, timeout: float = 60.
         timeout: seconds after which :class:`TimeoutError` is raised (the worker stopped).
         concurrency: jobs run at once (1: one after the other, in enqueue order within a
             priority).
+        scheduled_within: seconds ahead within which a scheduled job is waited for.
 
     Returns:
         The count of every job of these queues by state, e.g. ``{"succeeded": 3}``.
@@ -84,7 +86,7 @@ def drain(app: App, queues: Iterable[str] | None = None, *, timeout: float = 60.
     thread.start()
     deadline = time.monotonic() + timeout
     try:
-        while _runnable(app, names):
+        while _runnable(app, names, scheduled_within):
             if failure:
                 raise failure[0]
             if time.monotonic() > deadline:
@@ -98,9 +100,10 @@ def drain(app: App, queues: Iterable[str] | None = None, *, timeout: float = 60.
     return _states(app, names)
 
 
-def _runnable(app: App, queues: list[str]) -> int:
+def _runnable(app: App, queues: list[str], within: float) -> int:
     with app.reading() as conn:
-        row = conn.execute(app.queries.RUNNABLE_NOW, {"queues": queues}).fetchone()
+        row = conn.execute(app.queries.RUNNABLE_NOW,
+                           {"queues": queues, "within": within}).fetchone()
     return int(row[0]) if row else 0
 
 
@@ -125,8 +128,9 @@ def enqueued(app: App, task: str | None = None, *, conn: Any = None,
         with app.reading() as own:
             rows = own.execute(app.queries.ENQUEUED, params).fetchall()
     else:
-        from .connections import sync_connection
-        rows = sync_connection(conn).execute(app.queries.ENQUEUED, params).fetchall()
+        from .connections import reading_cursor, sync_connection
+        with reading_cursor(sync_connection(conn)) as cur:
+            rows = cur.execute(app.queries.ENQUEUED, params).fetchall()
     keys = ("id", "queue", "task", "args", "state", "priority", "run_at", "idempotency_key",
             "max_attempts")
     return [dict(zip(keys, row, strict=True)) for row in rows]

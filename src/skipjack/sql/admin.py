@@ -235,12 +235,13 @@ JOB_STATES = """
 SELECT id, state, cancel_requested FROM {schema}.jobs WHERE id = ANY(%(id)s::bigint[])
 """
 
-# Jobs that a worker would run now, in some queues (the test helpers' drain waits for none):
-# waiting, running, or scheduled and due.
+# Jobs that a worker would run now or within `within` seconds, in some queues (the test
+# helpers' drain waits for none): waiting, running, or scheduled that soon.
 RUNNABLE_NOW = """
 SELECT count(*) FROM {schema}.jobs
  WHERE queue = ANY(%(queues)s::text[])
-   AND (state IN ('available', 'running') OR (state = 'scheduled' AND run_at <= now()))
+   AND (state IN ('available', 'running')
+        OR (state = 'scheduled' AND run_at <= now() + make_interval(secs => %(within)s)))
 """
 
 # Jobs by state in some queues (what a drain reports).

@@ -156,6 +156,12 @@ class DjangoApp(App):
         except ValidationError as exc:
             raise ImproperlyConfigured(f"DATABASES[{self.alias!r}]: {exc}") from None
 
+    def reading(self) -> AbstractContextManager[psycopg.Connection[Any]]:
+        """A new connection for a few reads, closed when the block ends: nothing of the
+        app's stays connected to Django's database between calls (its test database is
+        dropped at the end of a test run only when no session is left on it)."""
+        return self.connect()
+
     async def enqueue_many_async(self, jobs: Iterable[JobSpec], *,
                                  conn: object | None = None) -> list[int]:
         """:meth:`skipjack.App.enqueue_many_async`; without ``conn``, the sync enqueue on

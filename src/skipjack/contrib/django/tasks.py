@@ -38,7 +38,6 @@ skipjack (``TaskResult.attempts``); ``task_started`` is sent at each attempt's s
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -58,6 +57,7 @@ from django.utils.json import normalize_json
 from django.utils.module_loading import import_string
 
 from ...app import Task
+from ...connections import reading_cursor
 from ...context import current_job
 from ...errors import ValidationError
 from ...retry import Backoff
@@ -161,17 +161,12 @@ class SkipjackBackend(BaseTaskBackend):
         except (TypeError, ValueError):
             raise TaskResultDoesNotExist(result_id) from None
         app = self.app
-        conn = app.default_connection()
-        cur = conn.execute(app.queries.GET_JOB, {"id": job_id})
-        names = [c.name for c in cur.description or ()]
-        row = cur.fetchone()
+        with reading_cursor(app.default_connection()) as cur:
+            row = cur.execute(app.queries.GET_JOB, {"id": job_id}).fetchone()
+            names = [c.name for c in cur.description or ()]
         if row is None:
             raise TaskResultDoesNotExist(result_id)
-        job = dict(zip(names, row, strict=True))
-        for column in ("args", "errors", "result", "metadata", "progress"):
-            if isinstance(job[column], str):  # Django's connection leaves jsonb as text
-                job[column] = json.loads(job[column])
-        return self.result_of(job)
+        return self.result_of(dict(zip(names, row, strict=True)))
 
     def result_of(self, job: dict[str, Any]) -> TaskResult:
         """A :class:`TaskResult` of a job's row (as :meth:`skipjack.App.get_job` reads it)."""

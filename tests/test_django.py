@@ -1,0 +1,123 @@
+"""The Django test project (tests/django_project) against a real server: manage.py migrate,
+the worker of manage.py skipjack, ORM writes of a "complete" handler through SIGKILLs, and
+the project's own tests (transactions, the Tasks backend, the admin) under Django's runner.
+
+Django 6 needs Python 3.12+; scripts/test.sh makes the venv with one where the machine has
+it, and these tests are skipped (saying so) on an older one."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from skipjack import App
+
+from support import TESTS, Server, WorkerProcess, kill_repeatedly, query, states
+
+pytest.importorskip("django", minversion="6.0",
+                    reason="Django 6 needs Python 3.12+ (this is " + sys.version.split()[0] + ")")
+
+PROJECT = TESTS / "django_project"
+MANAGE = PROJECT / "manage.py"
+FAST = ["--lease", "2", "--heartbeat", "0.3", "--rescue-interval", "0.5", "--poll-interval",
+        "0.5", "--concurrency", "4"]
+
+
+@dataclass
+class Project:
+    dsn: str
+    schema: str
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SKIPJACK_DATABASE_URL": self.dsn, "SKIPJACK_SCHEMA": self.schema,
+                "PYTHONUNBUFFERED": "1"}
+
+    def manage(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(MANAGE), *args], cwd=PROJECT,
+                              env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def worker(self, log: Path) -> WorkerProcess:
+        return WorkerProcess(self.dsn, self.schema, ["default"], *FAST, manage=MANAGE, log=log,
+                             env={"SKIPJACK_DATABASE_URL": self.dsn,
+                                  "SKIPJACK_SCHEMA": self.schema})
+
+
+@pytest.fixture
+def project(server: Server) -> Iterator[Project]:
+    """A new database on the server for the project (and its test database, test_<name>)."""
+    name = "dj_" + secrets.token_hex(5)
+    with server.connect() as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    yield Project(make_conninfo(server.dsn, dbname=name), "shop_jobs")
+    with server.connect() as conn:
+        for db in (name, "test_" + name):
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(db)))
+
+
+def test_migrate_then_the_management_command_worker_runs_jobs(project: Project,
+                                                              tmp_path: Path) -> None:
+    first = project.manage("migrate", "--noinput")
+    assert first.returncode == 0, first.stderr
+    assert "Applied skipjack migrations [1, 2, 3, 4, 5, 6] to schema 'shop_jobs'" in first.stdout
+    again = project.manage("migrate", "--noinput")
+    assert again.returncode == 0 and "skipjack migrations" not in again.stdout
+    check = project.manage("makemigrations", "--check", "--dry-run")
+    assert check.returncode == 0, check.stdout + check.stderr  # nothing for a user to make
+    stats = project.manage("skipjack", "stats")
+    assert stats.returncode == 0, stats.stderr
+    query(project.dsn, "INSERT INTO shop_order (id, note, paid) VALUES (5, '', false)")
+    app = App(project.dsn, schema=project.schema)
+    app.task(name="shop.mark_paid")(lambda **kw: None)
+    handle = app.tasks["shop.mark_paid"].enqueue(order_id=5)
+    with project.worker(tmp_path / "worker.log") as worker:
+        assert handle.result(timeout=60) == "order 5 paid"
+        assert query(project.dsn, "SELECT paid FROM shop_order WHERE id = 5") == [(True,)]
+        worker.signal(15)
+        assert worker.wait(60) == 0
+    app.close()
+
+
+def test_orm_writes_of_a_complete_handler_happen_once_through_kills(project: Project,
+                                                                   tmp_path: Path) -> None:
+    assert project.manage("migrate", "--noinput").returncode == 0
+    app = App(project.dsn, schema=project.schema)
+    task = app.task(name="shop.orm_effect", transaction="complete")(lambda **kw: None)
+    ids = app.enqueue_many([task.job(seconds=0.2) for _ in range(24)])
+    kill_repeatedly(project.dsn, project.schema, ids,
+                    lambda n: project.worker(tmp_path / f"w{n}.log"), kills=3)
+    assert states(project.dsn, project.schema) == {"succeeded": len(ids)}
+    effects = dict(query(project.dsn, "SELECT job_id, count(*) FROM shop_effect GROUP BY job_id"))
+    assert effects == dict.fromkeys(ids, 1)
+    attempts = query(project.dsn, "SELECT sum(attempt) FROM {schema}.jobs", schema=project.schema)
+    assert attempts[0][0] > len(ids)  # some attempts were cut by the kills
+    app.close()
+
+
+def test_the_project_s_own_tests_pass_under_django_s_runner(project: Project) -> None:
+    ran = project.manage("test", "shop", "--noinput", "-v", "2")
+    assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-8000:]
+    assert "OK" in ran.stderr and "Ran 10 tests" in ran.stderr
+
+
+def test_a_database_that_is_not_postgresql_is_refused(tmp_path: Path) -> None:
+    settings = tmp_path / "sqlite_settings.py"
+    settings.write_text("from project.settings import *  # noqa\n"
+                        "DATABASES = {'default': {'ENGINE': 'django.db.backends.sqlite3', "
+                        f"'NAME': {str(tmp_path / 'db.sqlite3')!r}}}}}\n")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "sqlite_settings",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PROJECT)])}
+    ran = subprocess.run([sys.executable, str(MANAGE), "skipjack", "stats"], cwd=PROJECT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode != 0
+    assert "skipjack needs PostgreSQL: DATABASES['default'] is sqlite" in ran.stderr
