@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -10,13 +11,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 TESTS = Path(__file__).parent
 T = TypeVar("T")
@@ -126,7 +129,7 @@ class WorkerProcess:
     def __init__(self, dsn: str, schema: str, queues: list[str] | None = None,
                  *args: str, log: Path | None = None, env: dict[str, str] | None = None,
                  app: str = "jobs_app:app", options: tuple[str, ...] = (),
-                 manage: Path | None = None) -> None:
+                 manage: Path | None = None, cwd: Path | None = None) -> None:
         """``manage``: a Django project's manage.py, to run ``manage.py skipjack worker``
         (its app from the project's settings) instead."""
         if manage is None:
@@ -143,7 +146,8 @@ class WorkerProcess:
         full_env = {**os.environ, "SKIPJACK_SCHEMA": schema, "SKIPJACK_DATABASE_URL": dsn,
                     "SKIPJACK_APPLICATION_NAME": self.application_name, "PYTHONUNBUFFERED": "1",
                     **(env or {})}
-        self.proc = subprocess.Popen(cmd, cwd=manage.parent if manage else TESTS, env=full_env,
+        where = cwd or (manage.parent if manage else TESTS)
+        self.proc = subprocess.Popen(cmd, cwd=where, env=full_env,
                                      stdout=out,
                                      stderr=subprocess.STDOUT)
 
@@ -211,3 +215,19 @@ def kill_repeatedly(dsn: str, schema: str, ids: list[int],
     with start(kills):
         wait_until(lambda: succeeded() == len(ids), timeout=120,
                    what="every job succeeded after the kills")
+
+
+@contextmanager
+def fresh_database(server: Server) -> Iterator[str]:
+    """A new database on ``server`` for the block (its DSN), then dropped with every session
+    still on it; a Django test database of it (test_<name>) too."""
+    name = "db_" + secrets.token_hex(5)
+    with server.connect() as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield make_conninfo(server.dsn, dbname=name)
+    finally:
+        with server.connect() as conn:
+            for db in (name, "test_" + name):
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    sql.Identifier(db)))

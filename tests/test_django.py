@@ -8,7 +8,6 @@ it, and these tests are skipped (saying so) on an older one."""
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,12 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 from skipjack import App
 
-from support import TESTS, Server, WorkerProcess, kill_repeatedly, query, states
+from support import TESTS, Server, WorkerProcess, fresh_database, kill_repeatedly, query, states
 
 pytest.importorskip("django", minversion="6.0",
                     reason="Django 6 needs Python 3.12+ (this is " + sys.version.split()[0] + ")")
@@ -55,14 +52,8 @@ class Project:
 @pytest.fixture
 def project(server: Server) -> Iterator[Project]:
     """A new database on the server for the project (and its test database, test_<name>)."""
-    name = "dj_" + secrets.token_hex(5)
-    with server.connect() as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    yield Project(make_conninfo(server.dsn, dbname=name), "shop_jobs")
-    with server.connect() as conn:
-        for db in (name, "test_" + name):
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(db)))
+    with fresh_database(server) as dsn:
+        yield Project(dsn, "shop_jobs")
 
 
 def test_migrate_then_the_management_command_worker_runs_jobs(project: Project,
