@@ -77,10 +77,9 @@ def test_flask_enqueues_in_the_request_transaction(database: str, tmp_path: Path
         with WorkerProcess(database, "shop_jobs", ["default"], "--poll-interval", "0.5",
                            app="flask_app:jobs", log=tmp_path / "worker.log",
                            cwd=EXAMPLES):
-            wait_until(lambda: client.get(f"/orders/{created['order']}").get_json()["shipped"],
-                       timeout=60, what="the worker shipped the order")
-        assert example.jobs.job_handle(created["job"]).result(timeout=5) == (
-            f"order {created['order']} shipped")
+            assert example.jobs.job_handle(created["job"]).result(timeout=60) == (
+                f"order {created['order']} shipped")
+        assert client.get(f"/orders/{created['order']}").get_json()["shipped"] is True
     finally:
         example.jobs.close()
         example.pool.close()
