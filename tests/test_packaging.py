@@ -86,6 +86,15 @@ def test_the_observability_extras_are_imported_only_when_used() -> None:
                                                 "import skipjack.tracing")}
 
 
+def test_the_framework_extras_are_imported_only_when_used() -> None:
+    """The library and its command line import no framework (Django, SQLAlchemy, Starlette):
+    `pip install skipjack` brings none of them."""
+    modules = _modules_after("import skipjack", "import skipjack.cli", "import skipjack.testing",
+                             "import skipjack.contrib.starlette")
+    frameworks = {"django", "sqlalchemy", "starlette", "fastapi", "flask", "asgiref"}
+    assert {m.split(".")[0] for m in modules} & frameworks == set()
+
+
 def test_the_command_list_of_help_loads_no_tool_module() -> None:
     modules = _modules_after(
         "from skipjack.cli import main",

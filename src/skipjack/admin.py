@@ -21,7 +21,7 @@ import psycopg.rows
 from .cron import GRACE_MAX
 from .db import Database, channel_name
 from .errors import ValidationError
-from .jobs import QUEUE_MAX_BYTES, check_name
+from .jobs import QUEUE_MAX_BYTES, check_name, job_ids
 from .search import JobFilter
 from .sql import Queries
 
@@ -397,7 +397,7 @@ class Admin:
     def job_states(self, ids: Sequence[int]) -> dict[int, tuple[str, bool]]:
         """``{id: (state, cancel_requested)}`` for those of ``ids`` that exist."""
         with self.reading() as conn:
-            rows = conn.execute(self.queries.JOB_STATES, {"id": list(ids)}).fetchall()
+            rows = conn.execute(self.queries.JOB_STATES, {"id": job_ids(ids)}).fetchall()
         return {r[0]: (r[1], r[2]) for r in rows}
 
     def cron_history(self) -> list[dict[str, Any]]:
@@ -454,7 +454,7 @@ class Admin:
         Raises:
             psycopg.Error: the database refused the statement or could not be reached.
         """
-        asked = list(dict.fromkeys(ids))
+        asked = list(dict.fromkeys(job_ids(ids)))
         with self.connect() as conn:
             for attempt in range(1, RETRY_ROUNDS + 1):
                 try:
@@ -473,7 +473,7 @@ class Admin:
         """Send waiting (scheduled or available) jobs to the dead letter; returns those moved.
         Running jobs are left alone: cancel them instead."""
         with self.connect() as conn:
-            rows = conn.execute(self.queries.DISCARD_WAITING, {"id": list(ids)}).fetchall()
+            rows = conn.execute(self.queries.DISCARD_WAITING, {"id": job_ids(ids)}).fetchall()
         return [r[0] for r in rows]
 
     def cancel(self, ids: Sequence[int] | None = None, *, queue: str | None = None,
@@ -498,7 +498,7 @@ class Admin:
         if ids is None and queue is None and task is None:
             raise ValidationError("cancel", "give ids, queue or task")
         q = self.queries
-        params = {"id": list(ids) if ids is not None else None, "queue": queue, "task": task,
+        params = {"id": job_ids(ids) if ids is not None else None, "queue": queue, "task": task,
                   "limit": BATCH}
         done = {"cancelled": 0, "requested": 0}
         deadline = time.monotonic() + timeout

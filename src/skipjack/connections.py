@@ -37,7 +37,7 @@ def _wrong(conn: object, detail: str) -> ValidationError:
 _C = TypeVar("_C", psycopg.Connection[Any], psycopg.AsyncConnection[Any])
 
 
-def _driver(conn: object, raw: object, kind: type[_C]) -> _C:
+def _on_psycopg(conn: object, raw: object, kind: type[_C]) -> _C:
     if not isinstance(raw, kind):
         raise _wrong(conn, f"runs on {type(raw).__module__}.{type(raw).__qualname__}; "
                            f"skipjack joins transactions of psycopg 3 connections only "
@@ -64,12 +64,12 @@ def sync_connection(conn: object) -> psycopg.Connection[Any]:
         if isinstance(conn, Connection):
             if not conn.in_transaction():
                 conn.begin()  # as a query would (autobegin): its commit() then commits
-            return _driver(conn, conn.connection.driver_connection, psycopg.Connection)
+            return _on_psycopg(conn, conn.connection.driver_connection, psycopg.Connection)
         raise _wrong(conn, "is not an SQLAlchemy Session or Connection (an async one? use "
                            "the async enqueue)")
     if module.startswith(("django.db.backends.", "django.utils.connection")):  # or its proxy
         conn.ensure_connection()  # type: ignore[attr-defined]
-        return _driver(conn, conn.connection, psycopg.Connection)  # type: ignore[attr-defined]
+        return _on_psycopg(conn, conn.connection, psycopg.Connection)  # type: ignore[attr-defined]
     if isinstance(conn, psycopg.AsyncConnection):
         raise _wrong(conn, "is async: use the async enqueue (enqueue_async)")
     raise _wrong(conn, "is not a connection skipjack can enqueue on: give a psycopg "
@@ -94,7 +94,7 @@ async def async_connection(conn: object) -> psycopg.AsyncConnection[Any]:
             if not conn.in_transaction():
                 await conn.begin()
             raw = await conn.get_raw_connection()
-            return _driver(conn, raw.driver_connection, psycopg.AsyncConnection)
+            return _on_psycopg(conn, raw.driver_connection, psycopg.AsyncConnection)
         raise _wrong(conn, "is not an SQLAlchemy AsyncSession or AsyncConnection (a sync "
                            "one? use the sync enqueue)")
     if isinstance(conn, psycopg.Connection):

@@ -392,3 +392,18 @@ def dump_result(value: object) -> str | None:
                           f"{RESULT_MAX_BYTES}>")
     text = _NUL_ESCAPE.sub(lambda m: m.group(0)[:-6] + "\ufffd", text)
     return scrub_text(text)
+
+
+def job_ids(values: Iterable[object]) -> list[int]:
+    """Job ids as plain ints, for an array parameter (a :class:`skipjack.JobHandle` is an
+    int subclass, which psycopg will not put in one array with plain ints).
+
+    Raises:
+        ValidationError: a value is not an int (bools are not ids).
+    """
+    out = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValidationError("ids", f"{value!r} is not a job id (an int)")
+        out.append(int(value))
+    return out

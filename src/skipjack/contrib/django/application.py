@@ -71,14 +71,20 @@ class DjangoConnections(Hook):
     ORM through ``sync_to_async``, which manages its own)."""
 
     def run(self, job: Job) -> AbstractContextManager[object] | None:
-        try:
-            asyncio.get_running_loop()
+        if _on_event_loop():
             return None
-        except RuntimeError:
-            pass
         if any(c.in_atomic_block for c in connections.all(initialized_only=True)):
             return None
         return _closing_old()
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an event loop (Django then refuses its connections)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 @contextmanager
@@ -145,12 +151,16 @@ class DjangoApp(App):
         super().__init__(lambda: conninfo(self.alias), hooks=hooks, **kwargs)
         self.tasks = _Tasks(self)
 
-    def default_connection(self) -> psycopg.Connection[Any]:
-        """Django's connection of the alias, in this thread (opened if it was not).
+    def default_connection(self) -> psycopg.Connection[Any] | None:
+        """Django's connection of the alias, in this thread (opened if it was not); None on
+        a thread that runs an event loop, where Django allows no use of it (and no atomic
+        block): the app's own connection then serves, committing at once.
 
         Raises:
             ImproperlyConfigured: it is not on psycopg 3.
         """
+        if _on_event_loop():
+            return None
         try:
             return sync_connection(connections[self.alias])
         except ValidationError as exc:
@@ -181,7 +191,7 @@ class DjangoApp(App):
         close_old_connections()
         try:
             with transaction.atomic(using=self.alias):
-                yield self.default_connection()
+                yield sync_connection(connections[self.alias])
         finally:
             close_old_connections()
 

@@ -42,6 +42,7 @@ import os
 import socket
 import threading
 import traceback
+from contextlib import nullcontext
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -151,7 +152,8 @@ class SkipjackBackend(BaseTaskBackend):
 
     def get_result(self, result_id: str) -> TaskResult:
         """The task's result, read on Django's connection: a job enqueued in this thread's
-        open transaction is seen.
+        open transaction is seen (on a thread running an event loop, where Django refuses
+        its connection, on a connection of the app's).
 
         Raises:
             TaskResultDoesNotExist: no job has this id (or it was pruned by retention).
@@ -161,7 +163,9 @@ class SkipjackBackend(BaseTaskBackend):
         except (TypeError, ValueError):
             raise TaskResultDoesNotExist(result_id) from None
         app = self.app
-        with reading_cursor(app.default_connection()) as cur:
+        django_conn = app.default_connection()
+        with nullcontext(django_conn) if django_conn else app.reading() as conn, \
+                reading_cursor(conn) as cur:
             row = cur.execute(app.queries.GET_JOB, {"id": job_id}).fetchone()
             names = [c.name for c in cur.description or ()]
         if row is None:
