@@ -20,7 +20,7 @@ from sqlalchemy import Boolean, Integer, String
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from skipjack import App, JobFailed, ResultTimeout
+from skipjack import App, JobFailed, JobNotFound, ResultTimeout
 from skipjack.contrib.starlette import running_worker
 
 DSN = os.environ["SKIPJACK_DATABASE_URL"]
@@ -94,6 +94,8 @@ async def get_order(order_id: int, s: DbSession) -> dict[str, object]:
 async def job_result(job_id: int) -> dict[str, object]:
     try:
         return {"job": job_id, "result": await jobs.job_handle(job_id).result_async(timeout=10)}
+    except JobNotFound:
+        raise HTTPException(404, f"no job {job_id}") from None
     except ResultTimeout:
         raise HTTPException(504, f"job {job_id} has not ended yet") from None
     except JobFailed as failed:

@@ -50,6 +50,7 @@ def test_fastapi_runs_its_jobs_in_its_own_process(database: str, tmp_path: Path)
         status, body = http_get(f"{base}/jobs/{created['job']}", timeout=30)
         assert status == 200, body
         assert json.loads(body)["result"] == f"order {created['order']} shipped"
+        assert http_get(f"{base}/jobs/999999")[0] == 404
         status, body = http_get(f"{base}/orders/{created['order']}")
         assert json.loads(body) == {"order": created["order"], "item": "book", "shipped": True}
         server.send_signal(signal.SIGTERM)

@@ -23,6 +23,11 @@ FAST = ["--lease", "2", "--heartbeat", "0.3", "--rescue-interval", "0.5", "--pol
 @pytest.fixture
 def tasks(app: App) -> App:
     app.task(name="orm_effect", transaction="complete")(lambda **kw: None)
+
+    async def stub(**kw: object) -> None:
+        return None
+
+    app.task(name="async_orm_effect", transaction="complete")(stub)
     query(app.dsn, "CREATE TABLE {schema}.effect_rows (rowid bigserial PRIMARY KEY, "
                    "job_id bigint NOT NULL, pid int NOT NULL)", schema=app.schema)
     return app
@@ -94,9 +99,10 @@ def test_the_wrong_kind_of_connection_is_refused_before_anything_is_written(
     engine.dispose()
 
 
-def test_orm_writes_of_a_complete_handler_happen_once_through_kills(tasks: App,
-                                                                   tmp_path: Path) -> None:
-    ids = tasks.enqueue_many([tasks.tasks["orm_effect"].job(seconds=0.2) for _ in range(24)])
+@pytest.mark.parametrize("task", ["orm_effect", "async_orm_effect"])
+def test_orm_writes_of_a_complete_handler_happen_once_through_kills(tasks: App, tmp_path: Path,
+                                                                   task: str) -> None:
+    ids = tasks.enqueue_many([tasks.tasks[task].job(seconds=0.2) for _ in range(24)])
 
     def start(n: int) -> WorkerProcess:
         return WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST,
@@ -108,3 +114,12 @@ def test_orm_writes_of_a_complete_handler_happen_once_through_kills(tasks: App,
     # some attempts were cut by the kills, and their ORM writes rolled back with them
     attempts = query(tasks.dsn, "SELECT sum(attempt) FROM {schema}.jobs", schema=tasks.schema)
     assert attempts[0][0] > len(ids)
+
+
+def test_the_job_sessions_exist_only_in_complete_handlers() -> None:
+    from skipjack.contrib.sqlalchemy import async_session, session
+
+    with pytest.raises(LookupError, match="transaction='complete' handlers"):
+        session()
+    with pytest.raises(LookupError, match="async transaction='complete' handlers"):
+        async_session()

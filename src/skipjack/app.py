@@ -9,7 +9,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, overload
@@ -60,6 +60,8 @@ READ_TIMEOUT = 10.0
 # A callable giving a context manager that yields a psycopg connection in an open transaction
 # (see App's complete_transaction).
 TransactionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
+# The same for async handlers: an async context manager yielding a psycopg AsyncConnection.
+AsyncTransactionSource = Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]]
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,10 @@ class App(Admin):
             back when it raises. None: a connection of the worker's own pool. The framework
             integrations set it so that a handler's ORM writes join the job's transaction
             (:func:`skipjack.contrib.sqlalchemy.job_transactions`, the Django app's).
+        complete_transaction_async: the same for ``async def`` ``"complete"`` handlers: a
+            callable returning an async context manager that gives a psycopg
+            ``AsyncConnection`` in an open transaction
+            (:func:`skipjack.contrib.sqlalchemy.async_job_transactions`).
 
     Raises:
         ValidationError: bad schema name, size limit or pool size.
@@ -219,6 +225,7 @@ class App(Admin):
         pool_size: int = 4,
         hooks: Sequence[Hook] = (),
         complete_transaction: TransactionSource | None = None,
+        complete_transaction_async: AsyncTransactionSource | None = None,
     ) -> None:
         schema = schema or os.environ.get("SKIPJACK_SCHEMA") or "skipjack"
         if not isinstance(schema, str) or not _SCHEMA_RE.fullmatch(schema):
@@ -239,6 +246,7 @@ class App(Admin):
         self.crons: dict[str, CronEntry] = {}
         self.hooks = Hooks(hooks)
         self.complete_transaction = complete_transaction
+        self.complete_transaction_async = complete_transaction_async
         self._lock = threading.Lock()
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._apool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None

@@ -8,7 +8,9 @@ Enqueue in a session's transaction by passing it as ``conn``: ``Session``, ``Con
         app.enqueue(ship.job(order_id=7), conn=session)   # committed with the order
 
 ORM writes of a ``transaction="complete"`` handler commit with its fenced completion, exactly
-once, when the app takes those transactions from the engine::
+once, when the app takes those transactions from the engine (for ``async def`` handlers:
+``complete_transaction_async=async_job_transactions(async_engine)`` and
+:func:`async_session`)::
 
     app = skipjack.App(dsn, complete_transaction=job_transactions(engine))
 
@@ -23,19 +25,22 @@ once, when the app takes those transactions from the engine::
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import psycopg
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-from ..app import TransactionSource
-from ..connections import sync_connection
+from ..app import AsyncTransactionSource, TransactionSource
+from ..connections import async_connection, sync_connection
 
 _connection: contextvars.ContextVar[Connection] = contextvars.ContextVar(
     "skipjack_sqlalchemy_connection")
+_async_connection: contextvars.ContextVar[AsyncConnection] = contextvars.ContextVar(
+    "skipjack_sqlalchemy_async_connection")
 
 
 def job_transactions(engine: Engine) -> TransactionSource:
@@ -81,3 +86,39 @@ def session(**kwargs: Any) -> Session:
                           "'complete' handlers of an App(complete_transaction="
                           "job_transactions(engine))")
     return Session(bind=connection, join_transaction_mode="create_savepoint", **kwargs)
+
+
+def async_job_transactions(engine: AsyncEngine) -> AsyncTransactionSource:
+    """A ``complete_transaction_async`` for :class:`skipjack.App`: each ``async def``
+    ``transaction="complete"`` handler runs in a transaction of a connection from
+    ``engine``'s pool, which :func:`async_session` joins.
+
+    Args:
+        engine: an async engine on the ``postgresql+psycopg`` driver, to the app's database.
+    """
+
+    @asynccontextmanager
+    async def transaction() -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        async with engine.connect() as connection, connection.begin():
+            token = _async_connection.set(connection)
+            try:
+                yield await async_connection(connection)
+            finally:
+                _async_connection.reset(token)
+
+    return transaction
+
+
+def async_session(**kwargs: Any) -> AsyncSession:
+    """:func:`session` for ``async def`` handlers of an app built with
+    :func:`async_job_transactions`: an ``AsyncSession`` in the job's transaction.
+
+    Raises:
+        LookupError: not in such a handler.
+    """
+    connection = _async_connection.get(None)
+    if connection is None:
+        raise LookupError("skipjack.contrib.sqlalchemy.async_session() is for async "
+                          "transaction='complete' handlers of an App(complete_transaction_"
+                          "async=async_job_transactions(engine))")
+    return AsyncSession(bind=connection, join_transaction_mode="create_savepoint", **kwargs)

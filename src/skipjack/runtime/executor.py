@@ -34,7 +34,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from ..app import Task, TransactionSource
+from ..app import AsyncTransactionSource, Task, TransactionSource
 from ..context import CancelCause, Job, JobContext, set_current
 from ..db import Database
 from ..errors import ArgumentsError, HandlerTransactionError, Snooze
@@ -77,6 +77,8 @@ class Executor:
         transactions: the app's ``complete_transaction`` (see :class:`skipjack.App`): where
             sync ``transaction="complete"`` handlers get their transaction; None: the
             executor's own pool.
+        async_transactions: the app's ``complete_transaction_async``: the same for async
+            handlers.
     """
 
     def __init__(self, db: Database, tasks: Mapping[str, Task], slots: Slots, leases: Leases,
@@ -85,7 +87,8 @@ class Executor:
                  concurrency: int, large_args_concurrency: int,
                  on_slot_freed: Callable[[str | None], None],
                  unknown_task_grace: float = UNKNOWN_TASK_GRACE,
-                 transactions: TransactionSource | None = None) -> None:
+                 transactions: TransactionSource | None = None,
+                 async_transactions: AsyncTransactionSource | None = None) -> None:
         self._db = db
         self._tasks = tasks
         self._slots = slots
@@ -99,6 +102,7 @@ class Executor:
         self._on_slot_freed = on_slot_freed
         self._unknown_task_grace = unknown_task_grace
         self._transactions = transactions
+        self._async_transactions = async_transactions
         self._unknown_warned: dict[str, float] = {}  # task name -> when it was last logged
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="skipjack-job")
         self._large_args = asyncio.Semaphore(large_args_concurrency)
@@ -320,6 +324,11 @@ class Executor:
         finishing = functools.partial(self._leases.finishing, ctx.job.id, ctx.job.lease_version)
         if task.transaction == "complete":
             if running.is_async:
+                if self._async_transactions is not None:
+                    async with self._async_transactions() as aconn:
+                        await aconn.execute(LIFT_IDLE_TIMEOUT_LOCAL)  # begins it too
+                        return await run_complete_async(aconn, q.RECORD_OUTCOMES, ctx, fn,
+                                                        args, finishing, q.DB_NOW)
                 assert self._apool is not None
                 async with self._apool.connection() as aconn:
                     return await run_complete_async(aconn, q.RECORD_OUTCOMES, ctx, fn, args,

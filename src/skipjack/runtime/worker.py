@@ -233,7 +233,8 @@ class Worker:
                                   large_args_concurrency=self.large_args_concurrency,
                                   on_slot_freed=lambda q: self._producer.slot_freed(q),
                                   unknown_task_grace=self.unknown_task_grace,
-                                  transactions=self.app.complete_transaction)
+                                  transactions=self.app.complete_transaction,
+                                  async_transactions=self.app.complete_transaction_async)
         self._claim_mode = ClaimModeRunners(db, self.app.tasks, self.queues, self._slots,
                                             self._leases, self._executor, self._report,
                                             self.app.hooks, self.stats,
