@@ -187,11 +187,14 @@ def test_user_supplied_text_is_escaped(dashboard: Dashboard, dash_app: App) -> N
     job_id = send_mail.configure(queue="q<b>x</b>").enqueue(to=evil, note='"><img src=x>')
     discarded_jobs(dash_app, "mail", 1, error=f"ValueError: {evil}")
     client = Client(dashboard.url)
+    query(dash_app.dsn, "UPDATE {schema}.jobs SET progress = %s WHERE id = %s",
+          (json.dumps({"step": evil, "done": 3}), job_id), dash_app.schema)
     for path in (f"/jobs/{job_id}", "/jobs", "/", "/queues", "/jobs?state=discarded"):
         status, page = client.get(path)
         assert status == 200
         assert evil not in page and "<img src=x>" not in page and "<b>x</b>" not in page
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page or "&lt;b&gt;" in page, path
+    assert 'id="job-progress"' in client.get(f"/jobs/{job_id}")[1]  # the progress, escaped
 
 
 def test_bad_filter_names_the_field(dashboard: Dashboard) -> None:
