@@ -238,7 +238,9 @@ def test_a_migration_the_database_refuses_is_an_error_line_not_a_traceback(
                           timeout=120)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
-    assert done.stderr.startswith(f"error: schema {schema!r}: migration 2 "), done.stderr
+    assert "skipjack.cli: database: " in done.stderr.splitlines()[0], done.stderr
+    assert done.stderr.splitlines()[1].startswith(f"error: schema {schema!r}: migration 2 "), \
+        done.stderr
     assert "failed, nothing of this call was applied: 42P07" in done.stderr
     with pytest.raises(MigrationError, match=r"42P07: relation \"queues\" already exists"):
         App(server.dsn, schema=schema).migrate()

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import click
@@ -16,13 +17,52 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import embedded
+from . import actions, durations, embedded
 from .app import App
 from .db import connection_lost
 from .errors import SkipjackError
-from .jobs import STATES
+from .jobs import DEFAULT_RETENTION, STATES
 from .logs import LogFormat, configure, parse_levels
 from .migrate import LOCK_ATTEMPTS, LOCK_ATTEMPTS_MAX, LOCK_TIMEOUT
+from .search import JobFilter
+
+
+def parse_duration(value: str) -> float:
+    """:func:`skipjack.durations.parse_duration` for the command line.
+
+    Raises:
+        click.BadParameter: the text is not a duration.
+    """
+    try:
+        return durations.parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+class Duration(click.ParamType):  # type: ignore[type-arg]
+    """A duration option: ``500ms``, ``30s``, ``5m``, ``12h``, ``7d`` or seconds; given to
+    the command as seconds (``float``). With ``off=True``, ``off`` gives None."""
+
+    name = "duration"
+
+    def __init__(self, off: bool = False) -> None:
+        self.off = off
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> float | None:
+        if value is None or isinstance(value, float):
+            return value
+        if self.off and str(value).strip().lower() in ("off", "never", "none"):
+            return None
+        try:
+            return durations.parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+DURATION = Duration()
+DURATION_OR_OFF = Duration(off=True)
+DEFAULT_RETENTION_DAYS = round(DEFAULT_RETENTION / 86400)
 
 
 def _app(ctx: click.Context, app_path: str | None = None) -> App:
@@ -30,11 +70,21 @@ def _app(ctx: click.Context, app_path: str | None = None) -> App:
     Django management command's), else one of --dsn and --schema."""
     obj: dict[str, Any] = ctx.obj
     if app_path:
-        return load_app(app_path, obj["dsn"], obj["schema"])
-    if obj.get("app") is not None:
-        app: App = obj["app"]
-        return app
-    return App(obj["dsn"], schema=obj["schema"])
+        app = load_app(app_path, obj["dsn"], obj["schema"])
+    elif obj.get("app") is not None:
+        app = obj["app"]
+    else:
+        app = App(obj["dsn"], schema=obj["schema"])
+    _say_where(ctx, app)
+    return app
+
+
+def _say_where(ctx: click.Context, app: App) -> None:
+    """Name the database a command works on, in the log (stderr), once per command."""
+    obj: dict[str, Any] = ctx.obj
+    if obj.get("told") is not app:
+        logging.getLogger("skipjack.cli").info("database: %s", app.db.where())
+        obj["told"] = app
 
 
 def _task_app(ctx: click.Context, app_path: str | None) -> App:
@@ -136,7 +186,8 @@ class _Main(click.Group):
             formatter.write_dl(rows)
 
 
-@click.group(cls=_Main)
+@click.group(cls=_Main, context_settings={"auto_envvar_prefix": "SKIPJACK"})
+@click.version_option(package_name="skipjack", message="skipjack %(version)s")
 @click.option("--dsn", envvar="SKIPJACK_DATABASE_URL", default=None,
               help="PostgreSQL URI. Default: $SKIPJACK_DATABASE_URL, $DATABASE_URL, "
                    "else the embedded server.")
@@ -156,7 +207,12 @@ class _Main(click.Group):
 @click.pass_context
 def main(ctx: click.Context, dsn: str | None, schema: str | None, log_levels: tuple[str, ...],
          log_format: LogFormat, verbose: bool, quiet: bool) -> None:
-    """skipjack: a PostgreSQL job queue built on FOR UPDATE SKIP LOCKED."""
+    """skipjack: a PostgreSQL job queue built on FOR UPDATE SKIP LOCKED.
+
+    Every option can also be set in the environment, as SKIPJACK_<COMMAND>_<OPTION>: e.g.
+    SKIPJACK_WORKER_CONCURRENCY=20, SKIPJACK_JOBS_LIST_LIMIT=10 (a name in brackets in an
+    option's help is read first). Durations take a unit: 500ms, 30s, 5m, 12h, 7d.
+    """
     _configure_logging(log_levels, log_format, verbose, quiet)
     ctx.obj = {**(ctx.obj or {}), "dsn": dsn, "schema": schema,
                "logging": (log_levels, log_format, verbose, quiet)}
@@ -183,16 +239,36 @@ def _serving(what: str, host: str, port: int) -> click.ClickException:
 
 @main.command()
 @click.option("--lock-timeout", default=f"{LOCK_TIMEOUT:g}s", show_default=True,
+              type=DURATION,
               help="The longest each lock wait lasts (the queue's statements on a table "
                    "wait behind it meanwhile).")
 @click.option("--attempts", default=LOCK_ATTEMPTS, show_default=True,
               type=click.IntRange(1, LOCK_ATTEMPTS_MAX),
               help="Tries when a lock wait timed out, with a backoff between.")
+@click.option("--check", is_flag=True,
+              help="Apply nothing: list the pending migrations, exit 1 if there are any.")
+@click.option("--sql", "as_sql", is_flag=True,
+              help="Apply nothing: print the SQL of the pending migrations (rendered for the "
+                   "schema) for a DBA to run, each in a transaction with its record.")
 @click.pass_context
-def migrate(ctx: click.Context, lock_timeout: str, attempts: int) -> None:
+def migrate(ctx: click.Context, lock_timeout: float, attempts: int, check: bool,
+            as_sql: bool) -> None:
     """Create or upgrade the schema (safe to run from many processes at once, and while
     workers run: it gives up a lock wait after --lock-timeout and tries again)."""
-    applied = _app(ctx).migrate(lock_timeout=parse_duration(lock_timeout), attempts=attempts)
+    app = _app(ctx)
+    if check or as_sql:
+        from .migrate import pending, pending_sql
+
+        with app.connect() as conn:
+            waiting = pending(conn, app.schema)
+            if as_sql:
+                click.echo(pending_sql(conn, app.schema, waiting), nl=False)
+        if check:
+            click.echo(f"pending migrations: {[m.version for m in waiting]}" if waiting
+                       else "schema is up to date", err=as_sql)
+            ctx.exit(1 if waiting else 0)
+        return
+    applied = app.migrate(lock_timeout=lock_timeout, attempts=attempts)
     click.echo(f"applied migrations {applied}" if applied else "schema is up to date")
 
 
@@ -203,24 +279,28 @@ def migrate(ctx: click.Context, lock_timeout: str, attempts: int) -> None:
 @click.option("-c", "--concurrency", default=10, show_default=True, type=int)
 @click.option("--batch-size", default=None, type=int,
               help="Jobs per claim [concurrency + prefetch, at most 1000].")
-@click.option("--lease", default=30.0, show_default=True, type=float, help="Seconds.")
-@click.option("--heartbeat", default=None, type=float, help="Seconds [lease/6, at most 10].")
-@click.option("--poll-interval", default=5.0, show_default=True, type=float, help="Seconds.")
-@click.option("--rescue-interval", default=None, type=float, help="Seconds [lease/2, at most 15].")
-@click.option("--grace", default=30.0, show_default=True, type=float,
-              help="Seconds running jobs get after SIGTERM.")
-@click.option("--stage-interval", default=1.0, show_default=True, type=float,
-              help="Seconds between runs of the stager (makes due scheduled jobs runnable).")
-@click.option("--retention", default=None,
-              help="Prune succeeded/cancelled jobs older than this (e.g. 7d) [never].")
-@click.option("--discarded-retention", default=None,
+@click.option("--lease", default="30s", show_default=True, type=DURATION,
+              help="How long a claim lasts without renewal.")
+@click.option("--heartbeat", default=None, type=DURATION, help="[lease/6, at most 10s].")
+@click.option("--poll-interval", default="5s", show_default=True, type=DURATION,
+              help="Polling when no notification comes.")
+@click.option("--rescue-interval", default=None, type=DURATION,
+              help="[lease/2, at most 15s].")
+@click.option("--grace", default="30s", show_default=True, type=DURATION,
+              help="How long running jobs get after SIGTERM.")
+@click.option("--stage-interval", default="1s", show_default=True, type=DURATION,
+              help="Between runs of the stager (makes due scheduled jobs runnable).")
+@click.option("--retention", default=f"{DEFAULT_RETENTION_DAYS}d", show_default=True,
+              type=DURATION_OR_OFF,
+              help="Prune succeeded/cancelled jobs older than this; off keeps them forever.")
+@click.option("--discarded-retention", default=None, type=DURATION,
               help="Prune discarded jobs older than this [10 x retention].")
 @click.option("--prefetch", default=None, type=click.IntRange(0, 10_000),
               help="Jobs claimed ahead of free slots [concurrency, at most 100].")
 @click.option("--fairness-every", default=10, show_default=True, type=click.IntRange(0),
               help="Every n-th claim that takes jobs from a queue takes the oldest ones "
                    "whatever their priority (0: strict priority).")
-@click.option("--unknown-task-grace", default="10m", show_default=True,
+@click.option("--unknown-task-grace", default="10m", show_default=True, type=DURATION,
               help="A job of a task this worker does not know is released for other workers "
                    "(its attempt not counted) until it has waited this long since its "
                    "enqueue, then discarded.")
@@ -247,8 +327,8 @@ def migrate(ctx: click.Context, lock_timeout: str, attempts: int) -> None:
 def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], concurrency: int,
            batch_size: int | None, lease: float, heartbeat: float | None,
            poll_interval: float, rescue_interval: float | None, grace: float,
-           stage_interval: float, retention: str | None, discarded_retention: str | None,
-           prefetch: int | None, fairness_every: int, unknown_task_grace: str, name: str,
+           stage_interval: float, retention: float | None, discarded_retention: float | None,
+           prefetch: int | None, fairness_every: int, unknown_task_grace: float, name: str,
            migrate: bool, metrics_port: int | None, metrics_host: str,
            health_port: int | None, health_host: str, log_levels: tuple[str, ...],
            log_format: LogFormat | None, verbose: bool) -> None:
@@ -267,11 +347,9 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
     w = Worker(app, list(queues), concurrency=concurrency, batch_size=batch_size, lease=lease,
                heartbeat=heartbeat, poll_interval=poll_interval, rescue_interval=rescue_interval,
                shutdown_grace=grace, stage_interval=stage_interval,
-               retention=parse_duration(retention) if retention else None,
-               discarded_retention=(parse_duration(discarded_retention)
-                                    if discarded_retention else None),
+               retention=retention, discarded_retention=discarded_retention,
                prefetch=prefetch, fairness_every=fairness_every,
-               unknown_task_grace=parse_duration(unknown_task_grace), name=name)
+               unknown_task_grace=unknown_task_grace, name=name)
     if migrate:
         app.migrate()
     if metrics_port is not None:
@@ -314,16 +392,16 @@ def _metrics_module() -> Any:
 @click.option("--host", default="0.0.0.0", show_default=True,
               envvar="SKIPJACK_QUEUE_METRICS_HOST",
               help="Address to listen on [$SKIPJACK_QUEUE_METRICS_HOST].")
-@click.option("--cache", "cache_seconds", default="10s", show_default=True,
+@click.option("--cache", "cache_seconds", default="10s", show_default=True, type=DURATION,
               help="How long one reading of the database serves scrapes.")
 @click.pass_context
-def metrics_command(ctx: click.Context, port: int, host: str, cache_seconds: str) -> None:
+def metrics_command(ctx: click.Context, port: int, host: str, cache_seconds: float) -> None:
     """Serve queue-level Prometheus gauges read from the database (depth per queue and
     state, oldest runnable age, dead letter size, paused queues, limits, live workers) at
     http://HOST:PORT/metrics, until stopped. Counts use the partial indexes of the waiting,
     running and discarded jobs, never the history; one reading serves --cache seconds."""
-    cache = parse_duration(cache_seconds)
-    if not 0 <= cache <= 3600:  # nan fails both
+    cache = cache_seconds
+    if not 0 <= cache <= 3600:
         raise click.BadParameter(f"{cache_seconds!r} must be 0 to 1h", param_hint="--cache")
     app = _app(ctx)
     stop = {signal.SIGINT, signal.SIGTERM}
@@ -466,45 +544,98 @@ def jobs_show(ctx: click.Context, job_id: int) -> None:
     click.echo(json.dumps(row, default=str, indent=2))
 
 
+def _selection(func: Any) -> Any:
+    """The options that pick jobs by filter, for retry, cancel and discard."""
+    options = [
+        click.argument("job_ids", type=int, nargs=-1),
+        click.option("--queue", default=None, help="Jobs of this queue."),
+        click.option("--task", default=None, help="Jobs of this task."),
+        click.option("--since", default=None,
+                     help="Jobs enqueued since: a duration ago (1h, 2d) or an ISO time."),
+        click.option("--until", default=None,
+                     help="Jobs enqueued before: a duration ago or an ISO time."),
+        click.option("--error-contains", "error", default=None,
+                     help="Jobs with this text (any case) in an attempt's error."),
+        click.option("--all", "everything", is_flag=True,
+                     help="Every job the action applies to (no other filter needed)."),
+        click.option("--dry-run", is_flag=True,
+                     help="Change nothing: say what would be done, job by job."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _when(text: str | None, name: str) -> datetime | None:
+    """An ISO time (UTC when it has no zone) or a duration ago."""
+    if text is None:
+        return None
+    try:
+        return datetime.now(UTC) - timedelta(seconds=durations.parse_duration(text))
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is neither a duration (1h, 2d) nor an ISO time",
+                                 param_hint=name) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _act(ctx: click.Context, action: actions.Action, job_ids: tuple[int, ...],
+         queue: str | None, task: str | None, since: str | None, until: str | None,
+         error: str | None, everything: bool, dry_run: bool) -> None:
+    """Apply ``action`` to the ids, or to every job the filter matches, one line per job and
+    a summary; exit status 1 when any job was left alone."""
+    filtered = any(v is not None for v in (queue, task, since, until, error))
+    if job_ids and (filtered or everything):
+        raise click.UsageError("give job ids, or a filter (--queue, --task, --since, --until, "
+                               "--error-contains, --all), not both")
+    if not job_ids and not filtered and not everything:
+        raise click.UsageError("give job ids, a filter (--queue, --task, --since, --until, "
+                               "--error-contains), or --all")
+    app = _app(ctx)
+    if job_ids:
+        account = (actions.preview(app, action, job_ids) if dry_run
+                   else actions.apply(app, action, job_ids))
+    else:
+        where = JobFilter(queue=queue, task=task, since=_when(since, "--since"),
+                          until=_when(until, "--until"), error=error)
+        account = actions.apply_matching(app, action, where, dry_run=dry_run)
+    for job_id, outcome in account.outcomes.items():
+        click.echo(f"{job_id}\t{outcome}")
+    click.echo(account.describe(), err=True)
+    if account.left_alone and job_ids:
+        ctx.exit(1)
+
+
 @jobs.command("retry")
-@click.argument("job_ids", type=int, nargs=-1, required=True)
+@_selection
 @click.pass_context
-def jobs_retry(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Re-enqueue discarded jobs with a fresh set of attempts. A job whose idempotency key
-    another job now holds is left alone (exit status 1 when any job is left alone, each
-    named with why)."""
-    results = _app(ctx).retry_discarded_each(job_ids)
-    click.echo(f"re-enqueued {[r.id for r in results if r.outcome == 'retried']}")
-    left = [r.describe() for r in results if r.outcome != "retried"]
-    if left:
-        raise click.ClickException("; ".join(left))
+def jobs_retry(ctx: click.Context, /, job_ids: tuple[int, ...], **selection: Any) -> None:
+    """Re-enqueue discarded jobs (by id or filter) with a fresh set of attempts. Prints one
+    line per job (retried, or why it was left alone: no such job, not discarded, its
+    idempotency key held by another job) and a count; exit status 1 when an id given was
+    left alone."""
+    _act(ctx, "retry", job_ids, **selection)
 
 
 @jobs.command("cancel")
-@click.argument("job_ids", type=int, nargs=-1)
-@click.option("--queue", default=None, help="Cancel every waiting or running job of a queue.")
-@click.option("--task", default=None, help="Cancel every waiting or running job of a task.")
+@_selection
 @click.pass_context
-def jobs_cancel(ctx: click.Context, job_ids: tuple[int, ...], queue: str | None,
-                task: str | None) -> None:
-    """Cancel jobs: waiting ones at once, running ones by request to their worker."""
-    if not (job_ids or queue or task):
-        raise click.UsageError("give job ids, --queue or --task")
-    done = _app(ctx).cancel(list(job_ids) or None, queue=queue, task=task)
-    click.echo(f"cancelled {done['cancelled']}, cancellation requested for "
-               f"{done['requested']} running")
+def jobs_cancel(ctx: click.Context, /, job_ids: tuple[int, ...], **selection: Any) -> None:
+    """Cancel jobs (by id or filter): waiting ones at once, running ones by request to their
+    worker. One line per job, and a count."""
+    _act(ctx, "cancel", job_ids, **selection)
 
 
 @jobs.command("discard")
-@click.argument("job_ids", type=int, nargs=-1, required=True)
+@_selection
 @click.pass_context
-def jobs_discard(ctx: click.Context, job_ids: tuple[int, ...]) -> None:
-    """Send waiting jobs to the dead letter (running ones are left alone)."""
-    done = _app(ctx).discard(job_ids)
-    click.echo(f"discarded {done}")
-    missing = sorted(set(job_ids) - set(done))
-    if missing:
-        raise click.ClickException(f"not waiting (left alone): {missing}")
+def jobs_discard(ctx: click.Context, /, job_ids: tuple[int, ...], **selection: Any) -> None:
+    """Send waiting jobs (by id or filter) to the dead letter; running ones are left alone.
+    One line per job, and a count."""
+    _act(ctx, "discard", job_ids, **selection)
 
 
 @main.group()
@@ -543,27 +674,27 @@ def queues_resume(ctx: click.Context, queue: str) -> None:
 @click.option("--concurrency", type=click.IntRange(1), default=None,
               help="At most this many running at once, across all workers.")
 @click.option("--rate", type=click.IntRange(1), default=None, help="At most this many starts...")
-@click.option("--per", "period", default=None, help="...per this period (e.g. 1s, 60s).")
+@click.option("--per", "period", default=None, type=DURATION,
+              help="...per this period (e.g. 1s, 1m).")
 @click.pass_context
 def queues_limit(ctx: click.Context, queue: str, concurrency: int | None, rate: int | None,
-                 period: str | None) -> None:
+                 period: float | None) -> None:
     """Set QUEUE's limits (an option left out removes that limit)."""
-    _app(ctx).set_queue_limits(queue, concurrency=concurrency, rate=rate,
-                               period=parse_duration(period) if period else None)
+    _app(ctx).set_queue_limits(queue, concurrency=concurrency, rate=rate, period=period)
     click.echo(f"{queue}: concurrency {concurrency or 'unlimited'}, rate "
-               f"{f'{rate} per {period}' if rate else 'unlimited'}")
+               f"{f'{rate} per {period:g}s' if rate and period else 'unlimited'}")
 
 
 @main.command("prune")
-@click.option("--retention", default="7d", show_default=True,
-              help="Keep succeeded and cancelled jobs this long (e.g. 12h, 7d).")
-@click.option("--discarded-retention", default=None,
+@click.option("--retention", default=f"{DEFAULT_RETENTION_DAYS}d", show_default=True,
+              type=DURATION, help="Keep succeeded and cancelled jobs this long (e.g. 12h, 7d).")
+@click.option("--discarded-retention", default=None, type=DURATION,
               help="Keep discarded jobs this long [10 x retention].")
 @click.pass_context
-def prune_command(ctx: click.Context, retention: str, discarded_retention: str | None) -> None:
+def prune_command(ctx: click.Context, retention: float,
+                  discarded_retention: float | None) -> None:
     """Delete finished jobs past their retention, in small batches."""
-    deleted = _app(ctx).prune(parse_duration(retention), (parse_duration(discarded_retention)
-                                                          if discarded_retention else None))
+    deleted = _app(ctx).prune(retention, discarded_retention)
     click.echo(f"deleted {deleted} jobs")
 
 
@@ -586,30 +717,6 @@ def cron_list(ctx: click.Context, app_path: str | None) -> None:
                                "tz": entry.schedule.tz, "task": entry.task.name,
                                "last_enqueued": str(last) if last else None,
                                "missed": missed}))
-
-
-def parse_duration(value: str) -> float:
-    """A duration in seconds from text such as ``500ms``, ``2s``, ``5m``, ``12h``, ``7d`` or a
-    plain number of seconds (``"90"``, ``"0.5"``).
-
-    Args:
-        value: the text (``str``); surrounding blanks and letter case do not matter.
-
-    Returns:
-        The duration in seconds, as a ``float``.
-
-    Raises:
-        click.BadParameter: the text is not a number, alone or with one of those units.
-    """
-    text = value.strip().lower()
-    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-    try:
-        for suffix in ("ms", "s", "m", "h", "d"):
-            if text.endswith(suffix):
-                return float(text[: -len(suffix)]) * units[suffix]
-        return float(text)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a duration like 2s, 500ms or 7d") from None
 
 
 def run(args: list[str] | None = None, obj: dict[str, Any] | None = None,

@@ -155,6 +155,17 @@ class Database:
         with self._lock:
             self._dsn = value
 
+    def where(self) -> str:
+        """Which database, for people: ``host=... port=... dbname=...`` (no password) and
+        the schema, or the embedded server and its data directory."""
+        given = self._dsn or (None if self._resolve is not resolve_dsn else
+                              os.environ.get("SKIPJACK_DATABASE_URL")
+                              or os.environ.get("DATABASE_URL"))
+        if given is None and self._resolve is resolve_dsn:
+            return f"the embedded server at {embedded.data_dir()}, schema {self.schema}"
+        info = safe_dsn(given or self.dsn)
+        return f"{info}, schema {self.schema}"
+
     def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
         """A new sync connection (autocommit unless ``kwargs`` say otherwise).
 

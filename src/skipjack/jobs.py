@@ -123,6 +123,11 @@ class HandlerArguments:
 
 
 STATES = ("scheduled", "available", "running", "succeeded", "discarded", "cancelled")
+
+# Seconds a worker keeps succeeded and cancelled jobs by default before pruning them (the
+# dead letter: ten times as long); a worker given retention=None keeps them forever.
+DEFAULT_RETENTION = 7 * 86400.0
+
 _STATE_BITS = {state: 1 << i for i, state in enumerate(STATES)}  # as state_bit() in SQL
 
 

@@ -197,6 +197,40 @@ def _applied(conn: psycopg.Connection[Any], q: Queries, schema: str) -> set[int]
     return {r[0] for r in conn.execute(q.APPLIED_MIGRATIONS).fetchall()}
 
 
+def pending(conn: psycopg.Connection[Any], schema: str) -> list[Migration]:
+    """The migrations not yet applied to ``schema``, in order (all of them for a schema
+    that has none); only reads.
+
+    Raises:
+        SchemaVersionError: the schema is newer than this code knows.
+    """
+    q = Queries(schema)
+    applied = _applied(conn, q, schema) or set()
+    _up_to_date(schema, applied)  # raises for a newer schema
+    return [m for m in migrations() if m.version not in applied]
+
+
+def pending_sql(conn: psycopg.Connection[Any], schema: str, todo: list[Migration]) -> str:
+    """The SQL that applies ``todo`` to ``schema`` as :func:`migrate` would, for a DBA to
+    review and run with psql: one transaction, under the same advisory lock, each migration
+    followed by its record in the migrations table. Empty when ``todo`` is."""
+    if not todo:
+        return ""
+    q = Queries(schema)
+    bind = psycopg.ClientCursor(conn).mogrify  # the statements with their values, as text
+    parts = [f"-- skipjack migrations {[m.version for m in todo]} for schema {schema!r}",
+             "BEGIN;", bind(q.MIGRATION_LOCK, {"key": _lock_key(schema)}) + ";",
+             q.CREATE_MIGRATIONS_TABLE.decode().strip() + ";"]
+    for m in todo:
+        parts.append(f"-- {m.version:04d}_{m.name}")
+        parts.append(render(m.text, schema, channel=channel_name(schema),
+                            done_channel=done_channel_name(schema)).as_string(conn).strip())
+        parts.append(bind(q.RECORD_MIGRATION, {"version": m.version, "name": m.name}).strip()
+                     + ";")
+    parts.append("COMMIT;")
+    return "\n".join(parts) + "\n"
+
+
 def _up_to_date(schema: str, applied: set[int]) -> bool:
     """Whether every shipped migration is in ``applied``.
 

@@ -30,12 +30,13 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from .. import actions
 from ..app import App, Task
 from ..cron import CronSchedule
 from ..errors import SkipjackError, ValidationError
 from ..jobs import STATES, TASK_MAX_BYTES, check_name
 from ..search import JobFilter
-from . import actions, charts, forms
+from . import charts, forms
 from .security import CSRF_FIELD, basic_credentials, csrf_refusal, csrf_token
 
 log = logging.getLogger("skipjack.dashboard")

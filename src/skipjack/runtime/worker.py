@@ -34,7 +34,7 @@ from typing import Any
 from ..app import App
 from ..db import safe_dsn
 from ..errors import ConfigError
-from ..jobs import LEASE_MAX, LEASE_MIN, QUEUE_MAX_BYTES, check_name
+from ..jobs import DEFAULT_RETENTION, LEASE_MAX, LEASE_MIN, QUEUE_MAX_BYTES, check_name
 from ..outcome import UNKNOWN_TASK_GRACE, Outcome
 from ..sql.claim import claim_params
 from . import eventloop
@@ -87,8 +87,9 @@ class Worker:
             most 15).
         stage_interval: seconds between stager runs, which make due scheduled jobs
             (delayed, retried) available (default 1).
-        retention: seconds to keep succeeded and cancelled jobs; this worker then prunes
-            older ones (default None: no pruning here).
+        retention: seconds to keep succeeded and cancelled jobs; this worker prunes older
+            ones (default :data:`skipjack.jobs.DEFAULT_RETENTION`, 7 days; None: it prunes
+            nothing, and the table keeps every job).
         discarded_retention: seconds to keep discarded jobs (default 10 x retention).
         prefetch: jobs claimed ahead of free slots (default ``concurrency``, at most 100), so
             a slot that frees starts its next job at once instead of after a claim round
@@ -133,7 +134,7 @@ class Worker:
     poll_interval: float = 5.0
     rescue_interval: float | None = None
     stage_interval: float = 1.0
-    retention: float | None = None
+    retention: float | None = DEFAULT_RETENTION
     discarded_retention: float | None = None
     fairness_every: int = 10
     prefetch: int | None = None

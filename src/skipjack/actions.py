@@ -1,6 +1,7 @@
-"""The dashboard's job actions: retry, cancel and discard, for a selection of ids or for every
-job matching a filter, each through the same fenced and validated method of
-:class:`skipjack.App` the API offers, and an account of what each did.
+"""Job actions of the dashboard and the command line: retry, cancel and discard, for a
+selection of ids or for every job matching a filter, each through the same fenced and
+validated method of :class:`skipjack.App` the API offers, and an account of what each did
+(or, in a dry run, would do), job by job.
 
 A retry applies only to discarded jobs (:meth:`~skipjack.App.retry_discarded_each`), a
 discard only to waiting ones (:meth:`~skipjack.App.discard`), a cancel to waiting and running
@@ -14,8 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..app import App
-from ..search import JobFilter
+from .app import App
+from .search import JobFilter
 
 Action = Literal["retry", "cancel", "discard"]
 ACTIONS: tuple[Action, ...] = ("retry", "cancel", "discard")
@@ -35,22 +36,36 @@ CANCEL_TIMEOUT = 5.0
 @dataclass
 class Account:
     """What an action did: ``done`` jobs changed (``requested`` of them, for a cancel, are
-    running and were asked to stop), and the others left alone, counted by reason."""
+    running and were asked to stop), and the others left alone, counted by reason;
+    ``outcomes`` says it per job id (the past participle, e.g. ``"retried"``, or why the job
+    was left alone). A dry run's account (:func:`preview`) says what would be done."""
 
     action: Action
     done: int = 0
     requested: int = 0
     left_alone: Counter[str] = field(default_factory=Counter)
+    outcomes: dict[int, str] = field(default_factory=dict)
+    dry_run: bool = False
 
     def add(self, other: Account) -> None:
         self.done += other.done
         self.requested += other.requested
         self.left_alone.update(other.left_alone)
+        self.outcomes.update(other.outcomes)
+
+    def _done(self, job_id: int, what: str | None = None) -> None:
+        self.done += 1
+        self.outcomes[job_id] = what or PAST[self.action]
+
+    def _left(self, job_id: int, why: str, detail: str | None = None) -> None:
+        self.left_alone[why] += 1
+        self.outcomes[job_id] = f"left alone: {detail or why}"
 
     def describe(self) -> str:
         """One sentence, e.g. ``3 jobs retried; 2 left alone: 1 not discarded (succeeded),
         1 no such job.``"""
-        done = f"{self.done} job{'s' if self.done != 1 else ''} {PAST[self.action]}"
+        verb = f"would be {PAST[self.action]}" if self.dry_run else PAST[self.action]
+        done = f"{self.done} job{'s' if self.done != 1 else ''} {verb}"
         if self.action == "cancel" and self.requested:
             done += (f" ({self.requested} of them running: asked to stop at their next "
                      "heartbeat)")
@@ -90,48 +105,79 @@ def apply(app: App, action: Action, ids: Sequence[int]) -> Account:
     if action == "retry":
         for result in app.retry_discarded_each(asked):
             if result.outcome == "retried":
-                account.done += 1
+                account._done(result.id)
             elif result.outcome == "key_held":
-                account.left_alone["idempotency key held by another job"] += 1
+                account._left(result.id, "idempotency key held by another job",
+                              result.describe().partition(" left alone: ")[2])
             elif result.outcome == "not_found":
-                account.left_alone["no such job"] += 1
+                account._left(result.id, "no such job")
             else:
-                account.left_alone[f"not discarded ({result.state or 'changed meanwhile'})"] += 1
+                account._left(result.id,
+                              f"not discarded ({result.state or 'changed meanwhile'})")
         return account
     if action == "discard":
         moved = set(app.discard(asked))
-        account.done = len(moved)
         rest = [i for i in asked if i not in moved]
         states = app.job_states(rest) if rest else {}
-        for job_id in rest:
-            account.left_alone[_why(states.get(job_id), action)] += 1
+        for job_id in asked:
+            if job_id in moved:
+                account._done(job_id)
+            else:
+                account._left(job_id, _why(states.get(job_id), action))
         return account
     before = app.job_states(asked)
     counts = app.cancel(asked, timeout=CANCEL_TIMEOUT)
-    account.done = counts["cancelled"] + counts["requested"]
-    account.requested = counts["requested"]
     after = app.job_states(asked)
     for job_id in asked:
         was, now = before.get(job_id), after.get(job_id)
         if was is None or was[0] not in ACTS_ON["cancel"] or was == ("running", True):
-            account.left_alone[_why(was, action)] += 1
+            account._left(job_id, _why(was, action))
         elif now is not None and now[0] != "cancelled" and now != ("running", True):
-            account.left_alone[_why(now, action)] += 1  # finished meanwhile, or held
+            account._left(job_id, _why(now, action))  # finished meanwhile, or held
+        elif now == ("running", True):
+            account._done(job_id, "asked to stop (running)")
+        else:
+            account._done(job_id)
+    account.requested = counts["requested"]
     return account
 
 
-def apply_matching(app: App, action: Action, where: JobFilter) -> Account:
+def preview(app: App, action: Action, ids: Sequence[int]) -> Account:
+    """What :func:`apply` would do to the jobs ``ids`` as they are now, changing nothing (a
+    dry run; a job may change before a real run)."""
+    asked = list(dict.fromkeys(ids))
+    account = Account(action, dry_run=True)
+    states = app.job_states(asked) if asked else {}
+    for job_id in asked:
+        state = states.get(job_id)
+        if state is not None and state[0] in ACTS_ON[action] and state != ("running", True):
+            if action == "cancel" and state[0] == "running":
+                account.requested += 1
+                account._done(job_id, "would be asked to stop (running)")
+            elif action == "retry":
+                account._done(job_id, "would be retried (unless another job holds its "
+                                      "idempotency key)")
+            else:
+                account._done(job_id, f"would be {PAST[action]}")
+        else:
+            account._left(job_id, _why(state, action))
+    return account
+
+
+def apply_matching(app: App, action: Action, where: JobFilter, *,
+                   dry_run: bool = False) -> Account:
     """Run ``action`` on every job matching ``where`` in the states it applies to
     (:data:`ACTS_ON`), a batch at a time; a filter naming another state matches none.
+    ``dry_run``: only say what it would do (:func:`preview`).
 
     Raises:
         ValidationError: a filter field out of range.
         psycopg.Error: as :func:`apply` (the batches before stay applied).
     """
-    account = Account(action)
+    account = Account(action, dry_run=dry_run)
     for state in _states(action, where):
         for ids in app.matching_ids(dataclasses.replace(where, state=state)):
-            account.add(apply(app, action, ids))
+            account.add(preview(app, action, ids) if dry_run else apply(app, action, ids))
     return account
 
 
