@@ -35,8 +35,8 @@ def tasks(app: App) -> App:
 def dead_letter(app: App, task: str, queue: str, error: str, n: int) -> list[int]:
     ids = app.enqueue_many([app.tasks[task].configure(queue=queue).job() for _ in range(n)])
     query(app.dsn, "UPDATE {schema}.jobs SET state = 'discarded', finished_at = now(), "
-                   "errors = jsonb_build_array(jsonb_build_object('attempt', 1, 'error', %s::text)) "
-                   "WHERE id = ANY(%s::bigint[])", (error, ids), app.schema)
+                   "errors = jsonb_build_array(jsonb_build_object('attempt', 1, "
+                   "'error', %s::text)) WHERE id = ANY(%s::bigint[])", (error, ids), app.schema)
     return ids
 
 
