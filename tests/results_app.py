@@ -44,3 +44,19 @@ def stepwise(gate: str) -> str:
             time.sleep(0.02)
     ctx.progress({"done": 2, "total": 2})
     return "through"
+
+
+@app.task(name="held_until", transaction="claim", lease=30.0)
+def held_until(gate: str) -> str:
+    """A claim-mode job (its row locked while it runs) that waits for its gate."""
+    statement = sql.SQL("SELECT 1 FROM {}.gates WHERE name = %s").format(
+        sql.Identifier(app.schema))
+    started = sql.SQL("INSERT INTO {}.gates VALUES (%s)").format(sql.Identifier(app.schema))
+    deadline = time.monotonic() + 60
+    with app.connect() as conn:
+        conn.execute(started, (gate + ":started",))
+        while conn.execute(statement, (gate,)).fetchone() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the gate never opened")
+            time.sleep(0.02)
+    return "released"

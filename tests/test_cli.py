@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -125,3 +126,24 @@ def test_retry_cancel_discard_by_filter_with_a_dry_run(tasks: App) -> None:
     assert none.returncode == 2 and "--all" in none.stderr
     future = cli(tasks, "jobs", "retry", "--since", "tomorrow-ish")
     assert future.returncode == 2 and "neither a duration" in future.stderr
+
+
+def test_resume_wakes_workers_and_stats_shows_the_settings(tasks: App, tmp_path: Path) -> None:
+    from support import WorkerProcess, create_log_tables, wait_until
+
+    create_log_tables(tasks.dsn, tasks.schema)
+    tasks.task(name="sleep")(lambda **kw: None)
+    assert cli(tasks, "queues", "pause", "default").returncode == 0
+    # polls an hour apart: only a notification can start the job within the test's deadline
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--poll-interval", "1h",
+                       "--lease", "2s", "--heartbeat", "300ms",
+                       log=tmp_path / "worker.log"):
+        handle = tasks.tasks["sleep"].enqueue()
+        wait_until(lambda: tasks.workers() != [], what="the worker started")
+        assert handle.state() == "available"
+        shown = cli(tasks, "stats")
+        assert "paused" in shown.stdout and "default" in shown.stdout
+        assert cli(tasks, "queues", "limit", "default", "--concurrency", "2").returncode == 0
+        assert tasks.stats()["settings"]["default"]["concurrency_limit"] == 2
+        assert cli(tasks, "queues", "resume", "default").returncode == 0
+        assert handle.result(timeout=60) is None

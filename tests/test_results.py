@@ -30,6 +30,7 @@ def tasks(app: App) -> App:
             sql.Identifier(app.schema)))
     for name in ("add", "add_async", "stepwise"):
         app.task(name=name)(lambda **kw: None)
+    app.task(name="held_until", transaction="claim", lease=30.0)(lambda **kw: None)
     app.task(name="boom", max_attempts=1)(lambda **kw: None)
     return app
 
@@ -141,8 +142,38 @@ def test_progress_is_visible_while_the_job_runs_and_after(tasks: App, tmp_path: 
 
 def test_progress_refuses_what_is_not_json() -> None:
     ctx = JobContext(job=None)  # type: ignore[arg-type]
-    for bad in (float("nan"), {1, 2}, "x" * 70_000, "a\x00b"):
+    for bad in (float("nan"), {1, 2}, "x" * 70_000, "a\x00b", "\ud800"):
         with pytest.raises(ValidationError, match="progress"):
             ctx.progress(bad)
+    ctx.progress("\\u0000")  # a backslash, then "u0000": no NUL
     ctx.progress({"done": 3})
     assert ctx.reported == '{"done":3}'
+
+
+def test_a_waiter_never_waits_on_a_claim_mode_job_s_row_lock(tasks: App, tmp_path: Path) -> None:
+    with worker(tasks, tmp_path):
+        handle = tasks.tasks["held_until"].enqueue(gate="g2")
+        wait_until(lambda: query(tasks.dsn, "SELECT 1 FROM {schema}.gates WHERE name = %s",
+                                 ("g2:started",), tasks.schema) == [(1,)])
+        # its row is locked by the claim's open transaction: the timeout still holds
+        with pytest.raises(ResultTimeout):
+            handle.result(timeout=0.2)
+        query(tasks.dsn, "INSERT INTO {schema}.gates VALUES ('g2')", schema=tasks.schema)
+        assert handle.result(timeout=60) == "released"
+
+
+def test_progress_not_written_is_put_back_unless_a_newer_one_came() -> None:
+    from skipjack.runtime.heartbeat import Leases
+
+    leases = Leases()
+    leases.add(1, 7, 30.0)
+    leases.add(2, 8, 30.0)
+    leases.report(1, 7, '{"n":1}')
+    leases.report(2, 8, '{"n":2}')
+    taken = leases.take_progress()
+    assert sorted(taken) == [(1, 7, '{"n":1}'), (2, 8, '{"n":2}')]
+    assert leases.take_progress() == []
+    leases.report(2, 8, '{"n":3}')  # newer than the one not written
+    leases.remove(1, 7)
+    leases.put_back_progress(taken)
+    assert leases.take_progress() == [(2, 8, '{"n":3}')]

@@ -106,3 +106,40 @@ def test_app_fixture_gives_a_fresh_schema(fresh_app: App,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     assert fresh_app is _shared and fresh_app.schema.startswith("test_")
     assert enqueued(fresh_app) == []
+
+
+def test_inline_nests_leaves_no_context_and_runs_async_handlers_under_a_loop(
+        helpers_app: App) -> None:
+    app = helpers_app
+    seen: dict[str, int] = {}
+
+    @app.task(name="outer")
+    def outer() -> None:
+        seen["before"] = current_job().job.id
+        app.tasks["double"].enqueue(n=1)  # nested: runs at once too
+        seen["after"] = current_job().job.id
+
+    with inline(app):
+        app.tasks["outer"].enqueue()
+
+        async def in_a_loop() -> int:
+            # a sync enqueue of an async handler, from code that runs an event loop
+            return int(app.tasks["async_triple"].enqueue(n=1))
+
+        assert asyncio.run(in_a_loop()) < 0
+    assert seen["before"] == seen["after"]
+    with pytest.raises(LookupError):
+        current_job()
+
+
+def test_fresh_schema_is_dropped_even_behind_a_transaction_left_open(server: Server,
+                                                                      schema: str) -> None:
+    app = make_app(server, schema)
+    with pytest.warns(UserWarning, match="ended 1 session"), fresh_schema(app) as fresh:
+        name = fresh.schema
+        left_open = fresh.connect(autocommit=False)
+        fresh.enqueue(fresh.tasks["double"].job(n=1), conn=left_open)  # never committed
+    with server.connect() as conn:
+        assert conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s",
+                            (name,)).fetchone() is None
+    left_open.close()

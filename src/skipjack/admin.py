@@ -19,7 +19,7 @@ import psycopg
 import psycopg.rows
 
 from .cron import GRACE_MAX
-from .db import Database, channel_name
+from .db import Database, channel_name, settings_channel_name
 from .errors import ValidationError
 from .jobs import QUEUE_MAX_BYTES, check_name, job_ids
 from .search import JobFilter
@@ -220,8 +220,9 @@ class Admin:
 
         Returns:
             ``{"queues": {queue: {state: count}}`` for scheduled, available and running jobs,
-            ``"oldest_runnable_seconds": {queue: age}`` (database clock) and
-            ``"discarded": [the newest discarded jobs]}``.
+            ``"oldest_runnable_seconds": {queue: age}`` (database clock),
+            ``"settings": {queue: {paused, concurrency_limit, rate_limit, rate_period}}`` for
+            the queues with a setting, and ``"discarded": [the newest discarded jobs]}``.
         """
         q = self.queries
         with self.connect() as conn:
@@ -232,7 +233,9 @@ class Admin:
             cur = conn.cursor(row_factory=psycopg.rows.dict_row)
             discarded = cur.execute(q.LIST_JOBS, {"state": "discarded", "queue": None,
                                                   "limit": discarded_limit}).fetchall()
-        return {"queues": counts, "oldest_runnable_seconds": oldest, "discarded": discarded}
+            settings = {r.pop("name"): r for r in cur.execute(q.LIST_QUEUES).fetchall()}
+        return {"queues": counts, "oldest_runnable_seconds": oldest, "settings": settings,
+                "discarded": discarded}
 
     def queue_summary(self) -> dict[str, Any]:
         """What a monitor graphs, read without scanning the history: each count comes from
@@ -522,13 +525,19 @@ class Admin:
         self._set_paused(queue, True)
 
     def resume_queue(self, queue: str) -> None:
-        """Let workers claim from ``queue`` again."""
+        """Let workers claim from ``queue`` again; they are woken at once."""
         self._set_paused(queue, False)
 
     def _set_paused(self, queue: str, paused: bool) -> None:
         check_name("queue", queue, QUEUE_MAX_BYTES)
-        with self.connect() as conn:
+        with self.connect() as conn, conn.transaction():
             conn.execute(self.queries.SET_PAUSED, {"queue": queue, "paused": paused})
+            self._announce(conn, queue)
+
+    def _announce(self, conn: psycopg.Connection[Any], queue: str) -> None:
+        """Wake the workers about ``queue``'s new settings when this transaction commits."""
+        conn.execute(self.queries.NOTIFY_SETTINGS,
+                     {"channel": settings_channel_name(self.queries.schema), "queue": queue})
 
     def set_queue_limits(self, queue: str, *, concurrency: int | None = None,
                          rate: int | None = None, period: float | None = None) -> None:
@@ -540,7 +549,7 @@ class Admin:
                 (0, one year]). A window opens at the first claim after the previous one
                 closed.
 
-        Workers pick a new limit up within one poll interval. Limits are enforced for
+        Workers are told at once (and re-read limits every poll interval). Limits are enforced for
         lease-mode tasks; a ``transaction="claim"`` task's running jobs are invisible to
         other sessions and do not count.
 
@@ -559,9 +568,10 @@ class Admin:
                                    or not 0 < period <= PERIOD_MAX):
             raise ValidationError("period", f"{period!r} must be seconds in (0, "
                                   f"{PERIOD_MAX:,.0f}] (a year)")
-        with self.connect() as conn:
+        with self.connect() as conn, conn.transaction():
             conn.execute(self.queries.SET_LIMITS, {"queue": queue, "concurrency": concurrency,
                                                    "rate": rate, "period": period})
+            self._announce(conn, queue)
 
     def queues(self) -> list[dict[str, Any]]:
         """Every queue with a setting (paused or limited)."""

@@ -214,6 +214,12 @@ def main(ctx: click.Context, dsn: str | None, schema: str | None, log_levels: tu
     option's help is read first). Durations take a unit: 500ms, 30s, 5m, 12h, 7d.
     """
     _configure_logging(log_levels, log_format, verbose, quiet)
+    given = (ctx.obj or {}).get("app")
+    for name in ("dsn", "schema"):
+        if given is not None and \
+                ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            raise click.UsageError(f"--{name} is not used here: the commands work on "
+                                   f"{given.db.where()}")
     ctx.obj = {**(ctx.obj or {}), "dsn": dsn, "schema": schema,
                "logging": (log_levels, log_format, verbose, quiet)}
 
@@ -273,7 +279,7 @@ def migrate(ctx: click.Context, lock_timeout: float, attempts: int, check: bool,
 
 
 @main.command()
-@click.argument("app_path", metavar="MODULE:APP", required=False)
+@click.argument("app_path", metavar="[MODULE:APP]", required=False)
 @click.option("-q", "--queue", "queues", multiple=True, default=["default"], show_default=True,
               help="Queue to serve; repeat for several.")
 @click.option("-c", "--concurrency", default=10, show_default=True, type=int)
@@ -332,7 +338,8 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
            migrate: bool, metrics_port: int | None, metrics_host: str,
            health_port: int | None, health_host: str, log_levels: tuple[str, ...],
            log_format: LogFormat | None, verbose: bool) -> None:
-    """Run a worker for the tasks of MODULE:APP."""
+    """Run a worker for the tasks of MODULE:APP (under Django's manage.py: of the project's
+    app, without MODULE:APP)."""
     if log_levels or log_format or verbose:  # the worker's own logging options
         levels, fmt, loud, quiet = ctx.obj["logging"]
         _configure_logging((*levels, *log_levels), log_format or fmt, loud or verbose,
@@ -506,6 +513,16 @@ def stats(ctx: click.Context, as_json: bool) -> None:
         table.add_row(escape(queue), *(str(counts.get(s, 0)) for s in states),
                       f"{age:.1f}" if age is not None else "-")
     console.print(table)
+    if data["settings"]:
+        settings = Table(title="queue settings")
+        for col in ["queue", "paused", "concurrency limit", "rate limit"]:
+            settings.add_column(col)
+        for queue, row in sorted(data["settings"].items()):
+            rate = (f"{row['rate_limit']} per {row['rate_period']:g}s" if row["rate_limit"]
+                    else "-")
+            settings.add_row(escape(queue), "paused" if row["paused"] else "-",
+                             str(row["concurrency_limit"] or "-"), rate)
+        console.print(settings)
     if data["discarded"]:
         dead = Table(title="discarded (newest first)")
         for col in ["id", "queue", "task", "attempt", "finished_at", "last error"]:

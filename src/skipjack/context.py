@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from .errors import JobCancelled, ValidationError
+from .jobs import has_nul_escape
 
 PROGRESS_MAX_BYTES = 65_536  # the most a progress report may take, serialised as JSON
 
@@ -86,7 +87,12 @@ class JobContext:
                               separators=(",", ":"))
         except (TypeError, ValueError) as exc:
             raise ValidationError("progress", f"must be a JSON value: {exc}") from None
-        if len(text.encode()) > PROGRESS_MAX_BYTES or "\\u0000" in text:
+        try:
+            size = len(text.encode())
+        except UnicodeEncodeError:
+            raise ValidationError("progress", "must be valid Unicode (a lone surrogate is "
+                                  "not)") from None
+        if size > PROGRESS_MAX_BYTES or has_nul_escape(text):
             raise ValidationError("progress", f"must take at most {PROGRESS_MAX_BYTES:,} "
                                   "bytes as JSON, without NUL characters")
         self.reported = text

@@ -58,6 +58,12 @@ def channel_name(schema: str) -> str:
     return "skipjack_" + hashlib.sha1(schema.encode()).hexdigest()[:16]
 
 
+def settings_channel_name(schema: str) -> str:
+    """The channel on which a change of a queue's settings (paused, limits) is announced,
+    with the queue name as payload, so that workers take it up at once (at most 34 bytes)."""
+    return channel_name(schema) + "_queues"
+
+
 def done_channel_name(schema: str) -> str:
     """The channel on which the end of an awaited job of a schema is announced, with the
     job id as payload (migration 6; at most 30 bytes)."""

@@ -52,6 +52,11 @@ LEASE_MIN, LEASE_MAX = 0.1, 7 * 86400.0
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
+def has_nul_escape(json_text: str) -> bool:
+    """Whether JSON text encodes a NUL character (``\\u0000``), which jsonb refuses."""
+    return _NUL_ESCAPE.search(json_text) is not None
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """A validated job, ready to enqueue. Build it with :meth:`skipjack.Task.job`.

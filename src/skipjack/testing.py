@@ -27,16 +27,20 @@ and in a test::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import itertools
 import json
 import secrets
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 from psycopg import sql
 
 from .app import App
@@ -48,7 +52,7 @@ from .runtime.worker import Worker
 
 
 def drain(app: App, queues: Iterable[str] | None = None, *, timeout: float = 60.0,
-          concurrency: int = 1, scheduled_within: float = 1.0) -> dict[str, int]:
+          concurrency: int = 1, scheduled_within: float = 5.0) -> dict[str, int]:
     """Run jobs with a real worker in this process until no job of ``queues`` is runnable:
     waiting, running, or scheduled to run within ``scheduled_within`` seconds (so that
     retries with short delays run too); jobs scheduled later stay scheduled. Jobs enqueued in
@@ -58,10 +62,12 @@ def drain(app: App, queues: Iterable[str] | None = None, *, timeout: float = 60.
         app: the app whose tasks run.
         queues: the queues to run (default: every queue of the app's tasks, and
             ``default``).
-        timeout: seconds after which :class:`TimeoutError` is raised (the worker stopped).
+        timeout: seconds after which :class:`TimeoutError` is raised, once the worker
+            stopped (running jobs get a second, then are released).
         concurrency: jobs run at once (1: one after the other, in enqueue order within a
             priority).
-        scheduled_within: seconds ahead within which a scheduled job is waited for.
+        scheduled_within: seconds ahead within which a scheduled job is waited for (5: the
+            first retries of the default backoff).
 
     Returns:
         The count of every job of these queues by state, e.g. ``{"succeeded": 3}``.
@@ -73,7 +79,7 @@ def drain(app: App, queues: Iterable[str] | None = None, *, timeout: float = 60.
     names = sorted(set(queues) if queues is not None
                    else {t.queue for t in app.tasks.values()} | {"default"})
     worker = Worker(app, names, concurrency=concurrency, poll_interval=0.05,
-                    stage_interval=0.05, shutdown_grace=5.0, name=f"drain:{secrets.token_hex(3)}")
+                    stage_interval=0.05, shutdown_grace=1.0, name=f"drain:{secrets.token_hex(3)}")
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -94,7 +100,7 @@ def drain(app: App, queues: Iterable[str] | None = None, *, timeout: float = 60.
             time.sleep(0.02)
     finally:
         worker.stop()
-        thread.join(timeout)
+        thread.join(60)  # the grace, then the release of what still runs
     if failure:
         raise failure[0]
     return _states(app, names)
@@ -178,39 +184,39 @@ def inline(app: App) -> Iterator[list[tuple[JobSpec, Any]]]:
     ran: list[tuple[JobSpec, Any]] = []
     original = app.enqueue_many, app.enqueue_many_async
 
-    def prepared(spec: JobSpec) -> tuple[Callable[..., Any], dict[str, Any], int]:
+    def prepared(spec: JobSpec) -> tuple[Callable[..., Any], dict[str, Any], JobContext]:
         task = app.tasks.get(spec.task)
         if task is None:
             raise ValidationError("task", f"{spec.task!r} is not a task of this app")
-        job_id = next(_inline_ids)
         now = datetime.now(UTC)
-        job = Job(job_id, spec.queue, spec.task, json.loads(spec.args_json), spec.priority, 1,
-                  spec.max_attempts, 0, now, now, now, spec.idempotency_key,
+        job = Job(next(_inline_ids), spec.queue, spec.task, json.loads(spec.args_json),
+                  spec.priority, 1, spec.max_attempts, 0, now, now, now, spec.idempotency_key,
                   spec.lease or 30.0)
-        set_current(JobContext(job))
-        return task.fn, json.loads(spec.args_json), job_id
+        return task.fn, json.loads(spec.args_json), JobContext(job)
 
     def run_many(jobs: Iterable[JobSpec], *, conn: object | None = None) -> list[int]:
         ids = []
         for spec in jobs:
-            fn, args, job_id = prepared(spec)
-            value = fn(**args)
+            fn, args, ctx = prepared(spec)
+            # in a context of its own: current_job() is this job's inside, and nothing
+            # of it is left once it returns (an enqueue inside a handler nests)
+            value = contextvars.copy_context().run(_call, ctx, fn, args)
             if asyncio.iscoroutine(value):
-                value = asyncio.run(value)
+                value = _run_coroutine(ctx, value)
             ran.append((spec, value))
-            ids.append(job_id)
+            ids.append(ctx.job.id)
         return ids
 
     async def run_many_async(jobs: Iterable[JobSpec], *,
                              conn: object | None = None) -> list[int]:
         ids = []
         for spec in jobs:
-            fn, args, job_id = prepared(spec)
-            value = fn(**args)
+            fn, args, ctx = prepared(spec)
+            value = contextvars.copy_context().run(_call, ctx, fn, args)
             if asyncio.iscoroutine(value):
-                value = await value
+                value = await asyncio.create_task(value, context=_context_of(ctx))
             ran.append((spec, value))
-            ids.append(job_id)
+            ids.append(ctx.job.id)
         return ids
 
     app.enqueue_many = run_many  # type: ignore[method-assign]
@@ -219,6 +225,32 @@ def inline(app: App) -> Iterator[list[tuple[JobSpec, Any]]]:
         yield ran
     finally:
         app.enqueue_many, app.enqueue_many_async = original  # type: ignore[method-assign]
+
+
+def _call(ctx: JobContext, fn: Callable[..., Any], args: dict[str, Any]) -> Any:
+    set_current(ctx)
+    return fn(**args)
+
+
+def _context_of(ctx: JobContext) -> contextvars.Context:
+    context = contextvars.copy_context()
+    context.run(set_current, ctx)
+    return context
+
+
+def _run_coroutine(ctx: JobContext, coroutine: Any) -> Any:
+    """Run an async handler's coroutine to its end from sync code, on an event loop of its
+    own: in a thread when this one already runs a loop."""
+    async def run() -> Any:
+        set_current(ctx)
+        return await coroutine
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, run()).result()
 
 
 @contextmanager
@@ -240,10 +272,30 @@ def fresh_schema(app: App) -> Iterator[App]:
         yield app
     finally:
         app.close()
-        with app.connect() as conn:
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
-                sql.Identifier(name)))
-        app.db, app.schema = old_db, old_schema
+        try:
+            _drop_schema(app, name)
+        finally:
+            app.db, app.schema = old_db, old_schema
+
+
+def _drop_schema(app: App, name: str) -> None:
+    """Drop a test's schema. A session of the test's that holds a lock on it (a
+    transaction left open) would make the drop wait forever: after 5 s such sessions are
+    ended (the schema was the test's alone), and the drop goes on."""
+    drop = sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name))
+    with app.connect() as conn:
+        try:
+            with conn.transaction():
+                conn.execute(app.queries.SET_LOCK_TIMEOUT, {"timeout": "5s"})
+                conn.execute(drop)
+            return
+        except psycopg.errors.LockNotAvailable:
+            pass
+        ended = conn.execute(app.queries.END_SCHEMA_SESSIONS, {"schema": name}).fetchall()
+        warnings.warn(f"skipjack.testing: ended {len(ended)} session(s) that held locks on "
+                      f"the test schema {name!r} (a transaction the test left open)",
+                      stacklevel=3)
+        conn.execute(drop)
 
 
 def app_fixture(app: App) -> Any:

@@ -7,7 +7,6 @@ for a connection that handlers use.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -68,16 +67,25 @@ class Leases:
             if lease is not None and lease.lease_version == lease_version:
                 lease.progress = progress
 
-    def take_progress(self) -> list[dict[str, Any]]:
-        """The progress reports not written yet ({id, lease_version, progress}), cleared."""
+    def take_progress(self) -> list[tuple[int, int, str]]:
+        """The progress reports not written yet, (id, lease_version, JSON text), cleared."""
         out = []
         with self.lock:
             for x in self.by_id.values():
                 if x.progress is not None:
-                    out.append({"id": x.id, "lease_version": x.lease_version,
-                                "progress": json.loads(x.progress)})
+                    out.append((x.id, x.lease_version, x.progress))
                     x.progress = None
         return out
+
+    def put_back_progress(self, reports: list[tuple[int, int, str]]) -> None:
+        """Reports that could not be written (the row was locked): written next time, unless
+        a newer report came meanwhile or the job is no longer held."""
+        with self.lock:
+            for job_id, lease_version, progress in reports:
+                lease = self.by_id.get(job_id)
+                if (lease is not None and lease.lease_version == lease_version
+                        and lease.progress is None):
+                    lease.progress = progress
 
     def remove(self, job_id: int, lease_version: int) -> None:
         with self.lock:
@@ -139,10 +147,12 @@ class HeartbeatThread(threading.Thread):
 
     def run(self) -> None:
         tick = min(self._interval, PROGRESS_INTERVAL)
-        last_beat = time.monotonic()
+        last_beat = last_progress = time.monotonic()
         while not self._stop_event.wait(tick):
             try:
-                self._write_progress()
+                if time.monotonic() - last_progress >= PROGRESS_INTERVAL - tick / 2:
+                    last_progress = time.monotonic()
+                    self._write_progress()
                 if time.monotonic() - last_beat < self._interval - tick / 2:
                     continue
                 last_beat = time.monotonic()
@@ -168,10 +178,18 @@ class HeartbeatThread(threading.Thread):
         pending = self._leases.take_progress()
         if not pending:
             return
-        if self._conn is None or self._conn.closed:
-            self._conn = self._db.connect()
-        self._conn.execute(self._db.queries.RECORD_PROGRESS,
-                           {"progress": json.dumps(pending, ensure_ascii=False)})
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = self._db.connect()
+            # the reports are JSON text already: one array of objects, built as text
+            body = ",".join(f'{{"id":{i},"lease_version":{v},"progress":{p}}}'
+                            for i, v, p in pending)
+            written = {r[0] for r in self._conn.execute(self._db.queries.RECORD_PROGRESS,
+                                                        {"progress": f"[{body}]"}).fetchall()}
+        except BaseException:
+            self._leases.put_back_progress(pending)
+            raise
+        self._leases.put_back_progress([r for r in pending if r[0] not in written])
 
     def _beat(self) -> None:
         started = time.monotonic()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import psycopg
 
-from ..db import Database, ReconnectDelay
+from ..db import Database, ReconnectDelay, settings_channel_name
 from ..errors import ConfigError
 from ..sql.schema import listen_statement
 
@@ -18,12 +18,15 @@ log = logging.getLogger("skipjack.worker")
 
 async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Callable[[], None],
                  health_interval: float,
-                 on_lost: Callable[[], None] = lambda: None) -> None:
-    """LISTEN on the app's channel until cancelled.
+                 on_lost: Callable[[], None] = lambda: None,
+                 on_settings: Callable[[str], None] = lambda queue: None) -> None:
+    """LISTEN on the app's channels until cancelled.
 
     Args:
         db: the app's database.
-        on_queue: called with the queue name of each notification.
+        on_queue: called with the queue name of each notification of new jobs.
+        on_settings: called with the queue name of each change of a queue's settings
+            (paused, limits).
         on_connect: called after each (re)connection, so the caller rescans every queue
             (notifications sent while the listener was away are lost).
         health_interval: seconds of silence after which ``SELECT 1`` checks the connection.
@@ -33,17 +36,22 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
     Database errors never end it: it reconnects with capped exponential backoff.
     """
     backoff = ReconnectDelay()
-    statement = listen_statement(db.channel)
+    settings = settings_channel_name(db.schema)
+    statements = [listen_statement(db.channel), listen_statement(settings)]
     while True:
         try:
             async with await db.connect_async() as conn:
-                await conn.execute(statement)
+                for statement in statements:
+                    await conn.execute(statement)
                 if backoff.reset():
                     log.info("listener: listening again")
                 on_connect()
                 while True:
                     async for note in conn.notifies(timeout=health_interval):
-                        on_queue(note.payload)
+                        if note.channel == settings:
+                            on_settings(note.payload)
+                        else:
+                            on_queue(note.payload)
                     await conn.execute(db.queries.PING)  # detects a dead connection
         except psycopg.Error as exc:
             on_lost()

@@ -76,6 +76,7 @@ class Producer:
         self.due = dict.fromkeys(self._queues, True)  # queues that may have jobs for us
         self._claims = dict.fromkeys(self._queues, 0)  # claims that took jobs, per queue
         self._limited: set[str] = set()
+        self._refresh = True  # re-read which queues are limited before the next claim
         self._skipped = SkipList()
         self._oldest = False  # whether the last claim was oldest-first
 
@@ -84,6 +85,12 @@ class Producer:
         if queue in self.due:
             self.due[queue] = self._claim_mode.due[queue] = True
             self.wakeup.set()
+
+    def settings_changed(self, queue: str) -> None:
+        """``queue`` was paused, resumed or given other limits: re-read which queues are
+        limited before the next claim, and claim from it again."""
+        self._refresh = True
+        self.mark_due(queue)
 
     def mark_all_due(self) -> None:
         """Every queue may have runnable jobs (after a poll interval, or a reconnection)."""
@@ -104,13 +111,13 @@ class Producer:
         backoff = ReconnectDelay()
         next_poll = loop.time() + self._poll_interval
         start = 0
-        refresh = True
+        self._refresh = True
         try:
             while not self._stopping.is_set():
                 if loop.time() >= next_poll:
                     self.mark_all_due()
                     next_poll = loop.time() + self._poll_interval
-                    refresh = True  # re-read which queues are limited
+                    self._refresh = True  # re-read which queues are limited
                 self.wakeup.clear()
                 order = self._queues[start:] + self._queues[:start]
                 start = (start + 1) % len(self._queues)
@@ -130,10 +137,10 @@ class Producer:
                         if conn is None or conn.closed:
                             conn = await self._db.connect_async()
                             await conn.execute(self._db.queries.NO_WAIT_FOR_FLUSH)
-                        if refresh:
+                        if self._refresh:
+                            self._refresh = False
                             cur = await conn.execute(self._db.queries.LIMITED_QUEUES)
                             self._limited = {r[0] for r in await cur.fetchall()}
-                            refresh = False
                         rows = await self._claim(conn, queue, want)
                         if backoff.reset():
                             log.info("claim: the database is reachable again")

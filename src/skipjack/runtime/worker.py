@@ -338,7 +338,8 @@ class Worker:
         helpers = [asyncio.create_task(listen(self.app.db, self._producer.mark_due,
                                               self._listener_connected,
                                               self.listen_health_interval,
-                                              on_lost=self._listener_lost),
+                                              on_lost=self._listener_lost,
+                                              on_settings=self._producer.settings_changed),
                                        name="skipjack-listener"),
                    asyncio.create_task(self._completer.run(), name="skipjack-completer")]
         stopping = asyncio.create_task(self._stopping.wait())

@@ -146,6 +146,7 @@ class Queries:
     SET_PAUSED = Statement(admin.SET_PAUSED)
     SET_LIMITS = Statement(admin.SET_LIMITS)
     LIST_QUEUES = Statement(admin.LIST_QUEUES)
+    NOTIFY_SETTINGS = Statement(admin.NOTIFY_SETTINGS)
     THROUGHPUT = Statement(admin.THROUGHPUT)
     THROUGHPUT_BY_QUEUE = Statement(admin.THROUGHPUT_BY_QUEUE)
     RUNNING_JOBS = Statement(admin.RUNNING_JOBS)
@@ -154,6 +155,7 @@ class Queries:
     RUNNABLE_NOW = Statement(admin.RUNNABLE_NOW)
     ENQUEUED = Statement(admin.ENQUEUED)
     STATES_IN_QUEUES = Statement(admin.STATES_IN_QUEUES)
+    END_SCHEMA_SESSIONS = Statement(admin.END_SCHEMA_SESSIONS)
 
     def job_search(self, conditions: tuple[str, ...], time: str = "created", *,
                    ids_only: bool = False, ascending: bool = False) -> bytes:

@@ -115,6 +115,12 @@ ON CONFLICT (name) DO UPDATE
        rate_period = EXCLUDED.rate_period, window_start = NULL, window_count = 0
 """
 
+# A queue's settings changed: tell the workers (see settings_channel_name), while the
+# notification queue has room (they re-read settings at every poll anyway).
+NOTIFY_SETTINGS = """
+SELECT pg_notify(%(channel)s, %(queue)s) WHERE {schema}.may_notify()
+"""
+
 LIST_QUEUES = """
 SELECT name, paused, concurrency_limit, rate_limit, rate_period FROM {schema}.queues ORDER BY 1
 """
@@ -242,6 +248,16 @@ SELECT count(*) FROM {schema}.jobs
  WHERE queue = ANY(%(queues)s::text[])
    AND (state IN ('available', 'running')
         OR (state = 'scheduled' AND run_at <= now() + make_interval(secs => %(within)s)))
+"""
+
+# The sessions holding a lock on a relation of a schema, ended (the test helpers' drop of a
+# test's own schema, behind a transaction the test left open); the caller's own is spared.
+END_SCHEMA_SESSIONS = """
+SELECT pg_terminate_backend(l.pid) FROM pg_locks AS l
+  JOIN pg_class AS c ON c.oid = l.relation
+  JOIN pg_namespace AS n ON n.oid = c.relnamespace
+ WHERE n.nspname = %(schema)s AND l.pid <> pg_backend_pid()
+ GROUP BY l.pid
 """
 
 # Jobs by state in some queues (what a drain reports).

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 # A caller is about to wait for this job: its end will be announced (the jobs_finished
 # trigger of migration 6). A finished job is left as it is; so is one already awaited (no
-# write at all).
+# write at all). It never waits on a row lock (SKIP LOCKED): a transaction="claim" job's row
+# stays locked while its handler runs, and its waiter then relies on its reads.
 MARK_AWAITED = """
 UPDATE {schema}.jobs SET awaited = true
- WHERE id = %(id)s AND NOT awaited AND state IN ('scheduled', 'available', 'running')
+ WHERE id = (SELECT id FROM {schema}.jobs
+              WHERE id = %(id)s AND NOT awaited
+                AND state IN ('scheduled', 'available', 'running')
+                FOR NO KEY UPDATE SKIP LOCKED)
 """
 
 # What a waiter reads: the state, the result or the errors, and the progress.
@@ -19,8 +23,8 @@ SELECT state, result, errors, progress, attempt, max_attempts
 
 # The latest progress of running jobs, fenced like the outcome: a job whose lease this worker
 # lost keeps what its new owner wrote. One JSON array of {id, lease_version, progress}. It
-# never waits on a row lock (SKIP LOCKED, as the heartbeat): a locked job is being completed,
-# and its outcome carries its last progress anyway.
+# never waits on a row lock (SKIP LOCKED, as the heartbeat); it returns the ids written, and
+# the worker tries the others again at its next write.
 RECORD_PROGRESS = """
 WITH p AS (
     SELECT * FROM json_to_recordset(%(progress)s::json)
@@ -32,4 +36,5 @@ WITH p AS (
        FOR NO KEY UPDATE OF j SKIP LOCKED
 )
 UPDATE {schema}.jobs AS j SET progress = locked.progress FROM locked WHERE j.id = locked.id
+RETURNING j.id
 """

@@ -148,6 +148,46 @@ class TasksBackend(JobsTestCase):
         self.assertEqual(fetched.status, TaskResultStatus.READY)
 
 
+class UnknownTasks(JobsTestCase):
+    def test_a_task_name_that_fails_to_import_or_is_outside_the_apps_is_unknown(self) -> None:
+        import sys
+
+        with connection.cursor() as cur:
+            for name in ("shop.broken.task", "this.zen"):
+                cur.execute(sql.SQL("INSERT INTO {}.jobs (queue, task) VALUES ('default', %s)")
+                            .format(sql.Identifier(app.schema)).as_string(), [name])
+        # released for a worker that knows them (their attempt not counted): the worker lives
+        self.assertEqual(drain(app, scheduled_within=0), {"scheduled": 2})
+        self.assertNotIn("this", sys.modules)  # a job's task name imports nothing outside
+        self.assertEqual({j["task"] for j in enqueued(app)}, {"shop.broken.task", "this.zen"})
+        self.assertEqual(add.enqueue(1, 1).status, TaskResultStatus.READY)
+
+    def test_bad_backend_options_are_refused_when_the_backend_is_built(self) -> None:
+        from django.tasks import task_backends
+        from django.test import override_settings
+
+        from skipjack import ValidationError
+
+        for options, field in (({"max_attempts": 0}, "max_attempts"),
+                               ({"backoff": {"bass": 1}}, "backoff"),
+                               ({"lease": "soon"}, "lease"),
+                               ({"tasks": "x"}, "OPTIONS"),
+                               ({"tasks": {"a.b": {"idempotency_key": "{"}}}, "idempotency_key"),
+                               ({"cron": [{"task": "a.b", "schedule": "61 * * * *"}]}, "cron"),
+                               ({"retries": 3}, "OPTIONS")):
+            backend = {"BACKEND": "skipjack.contrib.django.tasks.SkipjackBackend",
+                       "OPTIONS": options}
+            with override_settings(TASKS={"default": backend}), \
+                    self.assertRaises(ValidationError) as refused:
+                task_backends["default"]
+            self.assertIn(field, str(refused.exception), options)
+
+    def test_get_result_of_a_job_that_is_not_a_django_task(self) -> None:
+        handle = mark_paid.enqueue(order_id=1)
+        with self.assertRaises(TaskResultDoesNotExist):
+            add.get_backend().get_result(str(handle.id))
+
+
 class Admin(JobsTestCase):
     def test_the_jobs_admin_is_read_only(self) -> None:
         handle = mark_paid.enqueue(order_id=77)
@@ -157,6 +197,8 @@ class Admin(JobsTestCase):
         self.assertEqual(listing.status_code, 200)
         self.assertContains(listing, "shop.mark_paid")
         self.assertNotContains(listing, "Add job")
+        found = self.client.get(f"/admin/skipjack/job/?q={handle.id}")
+        self.assertContains(found, f"/admin/skipjack/job/{handle.id}/change/")
         page = self.client.get(f"/admin/skipjack/job/{handle.id}/change/")
         self.assertEqual(page.status_code, 200)
         self.assertContains(page, "order_id")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -23,6 +25,8 @@ from ...hooks import Hook
 from ...jobs import JobSpec
 from ...migrate import migrate
 
+log = logging.getLogger("skipjack.worker")
+
 SETTINGS = {"DATABASE", "SCHEMA", "AUTODISCOVER", "POOL_SIZE", "PREPARE", "MAX_ARGS_BYTES"}
 
 
@@ -40,11 +44,22 @@ def skipjack_settings() -> dict[str, Any]:
     if unknown:
         raise ImproperlyConfigured(f"settings.SKIPJACK: unknown key(s) {sorted(unknown)}; "
                                    f"known: {sorted(SETTINGS)}")
+    module = conf.get("AUTODISCOVER", "tasks")
+    if module is not None and not isinstance(module, str):
+        raise ImproperlyConfigured("settings.SKIPJACK['AUTODISCOVER'] must be a module name "
+                                   f"or None, got {module!r}")
     alias = conf.get("DATABASE", "default")
     if alias not in settings.DATABASES:
         raise ImproperlyConfigured(f"settings.SKIPJACK['DATABASE'] is {alias!r}, which "
                                    f"settings.DATABASES does not have")
     return conf
+
+
+def configured_schema() -> str:
+    """The schema of the jobs: ``SKIPJACK["SCHEMA"]``, else ``$SKIPJACK_SCHEMA``, else
+    ``skipjack`` (as :class:`skipjack.App` resolves it)."""
+    return (skipjack_settings().get("SCHEMA") or os.environ.get("SKIPJACK_SCHEMA")
+            or "skipjack")
 
 
 def conninfo(alias: str) -> str:
@@ -109,7 +124,10 @@ class _Tasks(dict[str, Task]):
         task = super().get(name)
         if task is None and name not in self._unknown:
             from .tasks import runner_for_path
-            task = runner_for_path(self._app, name)
+            try:
+                task = runner_for_path(self._app, name)
+            except Exception:  # a module that fails to import: the job's task is unknown
+                log.exception("task %r: looking it up among Django's tasks failed", name)
             if task is None:
                 self._unknown.add(name)
         return default if task is None else task
@@ -141,7 +159,7 @@ class DjangoApp(App):
     def __init__(self, alias: str | None = None, **kwargs: Any) -> None:
         conf = skipjack_settings()
         self.alias: str = alias or conf.get("DATABASE", "default")
-        kwargs.setdefault("schema", conf.get("SCHEMA"))
+        kwargs.setdefault("schema", configured_schema())
         kwargs.setdefault("pool_size", conf.get("POOL_SIZE", 4))
         kwargs.setdefault("prepare", conf.get("PREPARE", True))
         if "MAX_ARGS_BYTES" in conf:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from django.db import models
 
-from .application import skipjack_settings
+from .application import configured_schema
 
 
 def job_table() -> str:
     """``"<schema>"."jobs"``, quoted as Django keeps a quoted name as it is."""
-    schema = skipjack_settings().get("SCHEMA") or "skipjack"
-    return f'"{schema}"."jobs"'
+    return f'"{configured_schema()}"."jobs"'
 
 
 class Job(models.Model):

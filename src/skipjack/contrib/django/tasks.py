@@ -40,12 +40,15 @@ from __future__ import annotations
 
 import os
 import socket
+import string
+import sys
 import threading
 import traceback
 from contextlib import nullcontext
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from django.apps import apps
 from django.tasks import Task as _DjangoTask
 from django.tasks import TaskContext, TaskResultStatus, task_backends
 from django.tasks import TaskResult as _TaskResult
@@ -60,7 +63,10 @@ from django.utils.module_loading import import_string
 from ...app import Task
 from ...connections import reading_cursor
 from ...context import current_job
+from ...cron import CronSchedule
+from ...durations import parse_duration
 from ...errors import ValidationError
+from ...jobs import check_lease, check_max_attempts, check_timeout
 from ...retry import Backoff
 from .application import DjangoApp, get_app
 
@@ -95,15 +101,31 @@ class SkipjackBackend(BaseTaskBackend):
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
+        where = f"TASKS[{alias!r}]['OPTIONS']"
+        if not isinstance(self.options, dict):
+            raise ValidationError("OPTIONS", f"{where} must be a dict")
         unknown = set(self.options) - OPTIONS
         if unknown:
-            raise ValidationError("OPTIONS", f"TASKS[{alias!r}]: unknown option(s) "
-                                  f"{sorted(unknown)}; known: {sorted(OPTIONS)}")
-        for path, opts in (self.options.get("tasks") or {}).items():
-            bad = set(opts) - TASK_OPTIONS
-            if bad:
-                raise ValidationError("OPTIONS", f"TASKS[{alias!r}] tasks[{path!r}]: unknown "
-                                      f"option(s) {sorted(bad)}; known: {sorted(TASK_OPTIONS)}")
+            raise ValidationError("OPTIONS", f"{where}: unknown option(s) {sorted(unknown)}; "
+                                  f"known: {sorted(OPTIONS)}")
+        self.options = dict(self.options)
+        tasks = self.options.get("tasks") or {}
+        if not isinstance(tasks, dict) or not all(isinstance(v, dict) for v in tasks.values()):
+            raise ValidationError("OPTIONS", f"{where}['tasks'] must map task paths to dicts")
+        base = _task_options(where, {k: v for k, v in self.options.items()
+                                     if k in TASK_OPTIONS})
+        self.options.update(base)
+        self.options["tasks"] = {path: _task_options(f"{where}['tasks'][{path!r}]", opts)
+                                 for path, opts in tasks.items()}
+        cron = self.options.get("cron") or []
+        if not isinstance(cron, list) or not all(isinstance(e, dict) for e in cron):
+            raise ValidationError("OPTIONS", f"{where}['cron'] must be a list of dicts")
+        for entry in cron:
+            bad = set(entry) - CRON_KEYS
+            if bad or "task" not in entry or "schedule" not in entry:
+                raise ValidationError("cron", f"{where}['cron'] entry {entry!r}: needs task "
+                                      f"and schedule, may have {sorted(CRON_KEYS)}")
+            CronSchedule(entry["schedule"], entry.get("tz", "UTC"))  # raises when bad
 
     @property
     def app(self) -> DjangoApp:
@@ -133,7 +155,7 @@ class SkipjackBackend(BaseTaskBackend):
         if key is not None:
             try:
                 key = str(key).format(*args, **kwargs)
-            except (KeyError, IndexError) as exc:
+            except (KeyError, IndexError, AttributeError, ValueError) as exc:
                 raise ValidationError("idempotency_key", f"{options['idempotency_key']!r} "
                                       f"names {exc}, which this call does not give") from None
         run_after = task.run_after
@@ -199,12 +221,57 @@ class SkipjackBackend(BaseTaskBackend):
         return result
 
 
+def _task_options(where: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Checked options of a task (or the backend's defaults): durations parsed to seconds.
+
+    Raises:
+        ValidationError: an unknown option or a value out of its range, naming it.
+    """
+    bad = set(options) - TASK_OPTIONS
+    if bad:
+        raise ValidationError("OPTIONS", f"{where}: unknown option(s) {sorted(bad)}; known: "
+                              f"{sorted(TASK_OPTIONS)}")
+    out = dict(options)
+    if "max_attempts" in out:
+        out["max_attempts"] = check_max_attempts(out["max_attempts"])
+    for name, check in (("lease", check_lease), ("timeout", check_timeout)):
+        if out.get(name) is not None:
+            try:
+                seconds = parse_duration(out[name])
+            except ValueError as exc:
+                raise ValidationError(name, f"{where}: {exc}") from None
+            out[name] = check(seconds)
+    backoff = out.get("backoff")
+    if backoff is not None:
+        if not isinstance(backoff, dict):
+            raise ValidationError("backoff", f"{where}: must be a dict of skipjack.Backoff's "
+                                  "arguments (base, cap, jitter)")
+        try:
+            out["backoff"] = Backoff(**backoff)
+        except TypeError:
+            raise ValidationError("backoff", f"{where}: takes base, cap and jitter, got "
+                                  f"{sorted(backoff)}") from None
+    key = out.get("idempotency_key")
+    if key is not None:
+        try:
+            if not isinstance(key, str):
+                raise ValueError("not a string")
+            list(string.Formatter().parse(key))
+        except ValueError as exc:
+            raise ValidationError("idempotency_key", f"{where}: {key!r} is not a format "
+                                  f"string ({exc})") from None
+    return out
+
+
 def _time(value: object) -> datetime | None:
     return datetime.fromisoformat(value) if isinstance(value, str) else None
 
 
 def _django_task(path: str) -> DjangoTask:
-    task = import_string(path)
+    try:
+        task = import_string(path)
+    except ImportError:
+        raise TaskResultDoesNotExist(f"{path!r} is not a Django task") from None
     if not isinstance(task, _DjangoTask):
         raise TaskResultDoesNotExist(f"{path!r} is not a Django task")
     return task
@@ -228,11 +295,9 @@ def runner_for(app: DjangoApp, django_task: DjangoTask) -> Task:
         def run(args: list[Any], kwargs: dict[str, Any], run_after: str | None = None) -> Any:
             return _run(django_task, backend, args, kwargs)
 
-        backoff = options.get("backoff")
         runner = app.task(
             name=path, queue=django_task.queue_name,
-            max_attempts=options.get("max_attempts", 1),
-            backoff=Backoff(**backoff) if isinstance(backoff, dict) else backoff,
+            max_attempts=options.get("max_attempts", 1), backoff=options.get("backoff"),
             lease=options.get("lease"), timeout=options.get("timeout"))(run)
         _runners[path] = runner
         return runner
@@ -240,7 +305,15 @@ def runner_for(app: DjangoApp, django_task: DjangoTask) -> Task:
 
 def runner_for_path(app: DjangoApp, path: str) -> Task | None:
     """:func:`runner_for` the Django task at ``path`` if it is one sent to a skipjack
-    backend, else None (a worker's lookup of a job's task name)."""
+    backend, else None (a worker's lookup of a job's task name). Only modules already
+    imported or inside an installed app are imported (a job's task name is data).
+
+    Raises:
+        Exception: whatever importing the module raises.
+    """
+    module = path.rpartition(".")[0]
+    if module not in sys.modules and apps.get_containing_app_config(module) is None:
+        return None
     try:
         task = import_string(path)
     except ImportError:
@@ -306,17 +379,13 @@ def register_crons(app: DjangoApp) -> None:
         backend = task_backends[alias]
         if not isinstance(backend, SkipjackBackend):
             continue
-        for entry in backend.options.get("cron") or []:
-            bad = set(entry) - CRON_KEYS
-            if bad or "task" not in entry or "schedule" not in entry:
-                raise ValidationError("cron", f"TASKS[{alias!r}] cron entry {entry!r}: needs "
-                                      f"task and schedule, may have {sorted(CRON_KEYS)}")
+        for entry in backend.options.get("cron") or []:  # checked by the backend
             name = entry.get("name") or entry["task"]
             if name in app.crons:
                 continue
             try:
                 django_task = _django_task(entry["task"])
-            except (ImportError, TaskResultDoesNotExist) as exc:
+            except TaskResultDoesNotExist as exc:
                 raise ValidationError("cron", f"TASKS[{alias!r}] cron task "
                                       f"{entry['task']!r}: {exc}") from None
             runner = runner_for(app, django_task)
