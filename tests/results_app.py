@@ -8,7 +8,7 @@ import time
 
 from psycopg import sql
 
-from skipjack import App, current_job
+from skipjack import App, Backoff, current_job
 
 app = App(schema=os.environ.get("SKIPJACK_SCHEMA", "skipjack"))
 
@@ -60,3 +60,12 @@ def held_until(gate: str) -> str:
                 raise TimeoutError("the gate never opened")
             time.sleep(0.02)
     return "released"
+
+
+@app.task(name="flaky_once", max_attempts=3, backoff=Backoff(base=0.05, cap=0.05))
+def flaky_once() -> int:
+    """Fails its first attempt; retried 50-100 ms later."""
+    attempt = current_job().job.attempt
+    if attempt == 1:
+        raise RuntimeError("first attempt fails")
+    return attempt

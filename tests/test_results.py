@@ -31,6 +31,7 @@ def tasks(app: App) -> App:
     for name in ("add", "add_async", "stepwise"):
         app.task(name=name)(lambda **kw: None)
     app.task(name="held_until", transaction="claim", lease=30.0)(lambda **kw: None)
+    app.task(name="flaky_once", max_attempts=3)(lambda **kw: None)
     app.task(name="boom", max_attempts=1)(lambda **kw: None)
     return app
 
@@ -177,3 +178,17 @@ def test_progress_not_written_is_put_back_unless_a_newer_one_came() -> None:
     leases.remove(1, 7)
     leases.put_back_progress(taken)
     assert leases.take_progress() == [(2, 8, '{"n":3}')]
+
+
+def test_delayed_and_retried_jobs_start_on_time_whatever_the_stage_interval(
+        tasks: App, tmp_path: Path) -> None:
+    # a stager an hour apart: only the due-time notification (a delayed enqueue) and the
+    # worker's own retry bring it forward, within the test's deadline
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--stage-interval", "1h",
+                       app="results_app:app", log=tmp_path / "worker.log"):
+        wait_until(lambda: tasks.workers() != [], what="the worker started")
+        delayed = tasks.tasks["add"].configure(delay=1.0).enqueue(a=1, b=1)
+        assert delayed.state() == "scheduled"
+        assert delayed.result(timeout=60) == {"sum": 2}
+        retried = tasks.tasks["flaky_once"].enqueue()
+        assert retried.result(timeout=60) == 2

@@ -64,6 +64,12 @@ def settings_channel_name(schema: str) -> str:
     return channel_name(schema) + "_queues"
 
 
+def due_channel_name(schema: str) -> str:
+    """The channel on which an enqueue of delayed jobs says in how many seconds the soonest
+    is due (migration 6; at most 29 bytes)."""
+    return channel_name(schema) + "_due"
+
+
 def done_channel_name(schema: str) -> str:
     """The channel on which the end of an awaited job of a schema is announced, with the
     job id as payload (migration 6; at most 30 bytes)."""

@@ -29,8 +29,15 @@ from importlib import resources
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
-from .db import ReconnectDelay, channel_name, connection_lost, done_channel_name
+from .db import (
+    ReconnectDelay,
+    channel_name,
+    connection_lost,
+    done_channel_name,
+    due_channel_name,
+)
 from .errors import MigrationError, MigrationLockError, SchemaVersionError, ValidationError
 from .sql import Queries, render
 
@@ -175,8 +182,7 @@ def _migrate_once(conn: psycopg.Connection[Any], schema: str, q: Queries,
                 if m.version in applied:
                     continue
                 step = f"migration {m.version} ({m.name})"
-                conn.execute(render(m.text, schema, channel=channel_name(schema),
-                                    done_channel=done_channel_name(schema)))
+                conn.execute(_rendered(m, schema))
                 conn.execute(q.RECORD_MIGRATION, {"version": m.version, "name": m.name})
                 applied_now.append(m.version)
         return applied_now
@@ -195,6 +201,12 @@ def _applied(conn: psycopg.Connection[Any], q: Queries, schema: str) -> set[int]
     if not (row and row[0]):
         return None
     return {r[0] for r in conn.execute(q.APPLIED_MIGRATIONS).fetchall()}
+
+
+def _rendered(m: Migration, schema: str) -> sql.Composed:
+    """A migration's text for ``schema``, with its channel names filled in."""
+    return render(m.text, schema, channel=channel_name(schema),
+                  done_channel=done_channel_name(schema), due_channel=due_channel_name(schema))
 
 
 def pending(conn: psycopg.Connection[Any], schema: str) -> list[Migration]:
@@ -223,8 +235,7 @@ def pending_sql(conn: psycopg.Connection[Any], schema: str, todo: list[Migration
              q.CREATE_MIGRATIONS_TABLE.decode().strip() + ";"]
     for m in todo:
         parts.append(f"-- {m.version:04d}_{m.name}")
-        parts.append(render(m.text, schema, channel=channel_name(schema),
-                            done_channel=done_channel_name(schema)).as_string(conn).strip())
+        parts.append(_rendered(m, schema).as_string(conn).strip())
         parts.append(bind(q.RECORD_MIGRATION, {"version": m.version, "name": m.name}).strip()
                      + ";")
     parts.append("COMMIT;")

@@ -1,4 +1,5 @@
--- skipjack schema, version 6: waiting for a job's outcome, and a running job's progress.
+-- skipjack schema, version 6: waiting for a job's outcome, a running job's progress, and
+-- delayed jobs started on time.
 
 -- The latest progress a handler reported (skipjack.JobContext.progress): any JSON value,
 -- written at most once a second per job and fenced like every write of its worker.
@@ -28,3 +29,26 @@ CREATE TRIGGER jobs_finished AFTER UPDATE OF state ON {schema}.jobs
     FOR EACH ROW
     WHEN (NEW.awaited AND NEW.state IN ('succeeded', 'discarded', 'cancelled'))
     EXECUTE FUNCTION {schema}.notify_finished({done_channel});
+
+-- An enqueue of jobs that run later also says, on the schema's channel for due times
+-- (skipjack.db.due_channel_name), in how many seconds the soonest of them is due: workers run
+-- their stager then, whatever its interval, so a delayed job starts on time. The payload is a
+-- number of seconds, never job data.
+CREATE OR REPLACE FUNCTION {schema}.notify_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    queues text[];
+    soonest double precision;
+BEGIN
+    SELECT array_agg(DISTINCT queue) FILTER (WHERE state = 'available'),
+           extract(epoch FROM min(run_at) FILTER (WHERE state = 'scheduled')
+                              - clock_timestamp())
+      INTO queues, soonest FROM new_jobs;
+    IF (queues IS NOT NULL OR soonest IS NOT NULL) AND {schema}.may_notify() THEN
+        PERFORM pg_notify(TG_ARGV[0], q) FROM unnest(queues) AS q;
+        IF soonest IS NOT NULL THEN
+            PERFORM pg_notify({due_channel}, greatest(soonest, 0)::text);
+        END IF;
+    END IF;
+    RETURN NULL;
+END
+$$;

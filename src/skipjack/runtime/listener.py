@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import psycopg
 
-from ..db import Database, ReconnectDelay, settings_channel_name
+from ..db import Database, ReconnectDelay, due_channel_name, settings_channel_name
 from ..errors import ConfigError
 from ..sql.schema import listen_statement
 
@@ -19,7 +19,8 @@ log = logging.getLogger("skipjack.worker")
 async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Callable[[], None],
                  health_interval: float,
                  on_lost: Callable[[], None] = lambda: None,
-                 on_settings: Callable[[str], None] = lambda queue: None) -> None:
+                 on_settings: Callable[[str], None] = lambda queue: None,
+                 on_due: Callable[[float], None] = lambda seconds: None) -> None:
     """LISTEN on the app's channels until cancelled.
 
     Args:
@@ -27,6 +28,8 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
         on_queue: called with the queue name of each notification of new jobs.
         on_settings: called with the queue name of each change of a queue's settings
             (paused, limits).
+        on_due: called with the seconds until the soonest of the delayed jobs an enqueue
+            wrote is due.
         on_connect: called after each (re)connection, so the caller rescans every queue
             (notifications sent while the listener was away are lost).
         health_interval: seconds of silence after which ``SELECT 1`` checks the connection.
@@ -36,8 +39,8 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
     Database errors never end it: it reconnects with capped exponential backoff.
     """
     backoff = ReconnectDelay()
-    settings = settings_channel_name(db.schema)
-    statements = [listen_statement(db.channel), listen_statement(settings)]
+    settings, due = settings_channel_name(db.schema), due_channel_name(db.schema)
+    statements = [listen_statement(c) for c in (db.channel, settings, due)]
     while True:
         try:
             async with await db.connect_async() as conn:
@@ -50,6 +53,11 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
                     async for note in conn.notifies(timeout=health_interval):
                         if note.channel == settings:
                             on_settings(note.payload)
+                        elif note.channel == due:
+                            try:
+                                on_due(float(note.payload))
+                            except ValueError:
+                                pass
                         else:
                             on_queue(note.payload)
                     await conn.execute(db.queries.PING)  # detects a dead connection

@@ -193,14 +193,20 @@ def schedule_due(app: App, conn: psycopg.Connection[Any], now: datetime | None =
 
 
 def _stage_and_wake(conn: psycopg.Connection[Any], db: Database,
-                    on_staged: Callable[[str], None], skipped: SkipList) -> None:
-    """Stage batch after batch (at most 50 per run) while full batches come back."""
+                    on_staged: Callable[[str], None], skipped: SkipList) -> float | None:
+    """Stage batch after batch (at most 50 per run) while full batches come back; return
+    the seconds until the next scheduled job is due (None: none is scheduled), so that the
+    stager runs again then rather than a whole interval later."""
     for _ in range(50):
         staged = stage(conn, db.queries, db.schema, skipped=skipped)
         for queue in staged:
             on_staged(queue)
         if sum(staged.values()) < BATCH:
-            return
+            break
+    else:
+        return 0.0  # more to stage at once
+    row = conn.execute(db.queries.NEXT_DUE).fetchone()
+    return None if row is None or row[0] is None else max(0.0, float(row[0]))
 
 
 class NotifyQueueWatch:
@@ -342,6 +348,9 @@ class Duty:
     interval: float  # seconds
     run: Callable[[psycopg.Connection[Any]], object]
     next_at: float = 0.0
+    # run returns the seconds until it is needed again (or None), which may bring its next
+    # run forward (the stager: the next scheduled job's due time)
+    adaptive: bool = False
 
 
 class Maintenance(threading.Thread):
@@ -377,13 +386,17 @@ class Maintenance(threading.Thread):
         super().__init__(name="skipjack-maintenance", daemon=True)
         self._db = db
         self._stop_event = threading.Event()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._stage_requested = float("inf")  # monotonic time stage_at() last asked for
         self._conn: psycopg.Connection[Any] | None = None
         self._stage_skips = SkipList()  # jobs that staging, or rescuing, fails on
         self._rescue_skips = SkipList()
         q = db.queries
         self._duties = [
             Duty("stager", stage_interval,
-                 lambda c: _stage_and_wake(c, db, on_staged, self._stage_skips)),
+                 lambda c: _stage_and_wake(c, db, on_staged, self._stage_skips),
+                 adaptive=True),
             Duty("rescuer", rescue_interval,
                  lambda c: on_rescued(len(rescue(c, q, skipped=self._rescue_skips)))),
             Duty("notification queue watch", NOTIFY_CHECK_INTERVAL,
@@ -400,27 +413,49 @@ class Maintenance(threading.Thread):
                 c, q, retention=retention, discarded_retention=discarded_retention)))
         now = time.monotonic()
         for duty in self._duties:
-            # the registry row at once: a worker shows up as soon as it runs
+            # the registry row at once: a worker shows up as soon as it runs; the stager soon,
+            # as it then knows when the next scheduled job is due
             first = 0.0 if duty.name == "registry" else random.uniform(0.1, 1.0)
+            if duty.adaptive:
+                first = min(first, random.uniform(0.0, 0.1) / max(duty.interval, 0.1))
             duty.next_at = now + duty.interval * first
 
     def stop(self) -> None:
         """Ask the thread to end after its current step."""
         self._stop_event.set()
+        self._wake.set()
+
+    def stage_at(self, delay: float) -> None:
+        """Run the stager ``delay`` seconds from now (sooner than planned only): a job this
+        worker retried or released becomes runnable then (thread-safe)."""
+        at = time.monotonic() + max(0.0, delay)
+        with self._lock:
+            self._stage_requested = min(self._stage_requested, at)
+            stager = self._duties[0]
+            if at < stager.next_at:
+                stager.next_at = at
+                self._wake.set()
 
     def run(self) -> None:
         backoff = ReconnectDelay()
         # wake when the next duty is due (a fixed tick would delay a duty whose jittered
-        # time falls just after one by nearly a whole tick)
-        while not self._stop_event.wait(
-                max(0.0, min(d.next_at for d in self._duties) - time.monotonic())):
+        # time falls just after one by nearly a whole tick), or when stage_at() asks
+        while True:
+            with self._lock:
+                wait = max(0.0, min(d.next_at for d in self._duties) - time.monotonic())
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stop_event.is_set():
+                break
             for duty in self._duties:
                 if time.monotonic() < duty.next_at or self._stop_event.is_set():
                     continue
+                needed_in: object = None
+                started = time.monotonic()
                 try:
                     if self._conn is None or self._conn.closed:
                         self._conn = self._db.connect()
-                    duty.run(self._conn)
+                    needed_in = duty.run(self._conn)
                     if backoff.reset():
                         log.info("%s: the database is reachable again", duty.name)
                 except psycopg.Error as exc:
@@ -441,7 +476,14 @@ class Maintenance(threading.Thread):
                         continue  # the other duties still get their turn
                 except Exception:  # a bug in one duty must not stop the others
                     log.exception("%s failed; it runs again at its next interval", duty.name)
-                duty.next_at = time.monotonic() + duty.interval * random.uniform(0.8, 1.2)
+                with self._lock:
+                    duty.next_at = time.monotonic() + duty.interval * random.uniform(0.8, 1.2)
+                    if duty.adaptive:
+                        if isinstance(needed_in, float):
+                            duty.next_at = min(duty.next_at, time.monotonic() + needed_in)
+                        if self._stage_requested > started:  # asked for while it ran
+                            duty.next_at = min(duty.next_at, self._stage_requested)
+                        self._stage_requested = float("inf")
         self._unregister()
         if self._conn is not None:
             self._conn.close()

@@ -29,6 +29,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from ..app import App
@@ -224,7 +225,7 @@ class Worker:
         self._leases = Leases()
         self._slots = Slots(self.concurrency, self.prefetch)
         self._report = Reporter(self.app.hooks, self.stats)
-        self._completer = Completer(db, self._leases, self._report.recorded,
+        self._completer = Completer(db, self._leases, self._recorded,
                                     more_coming=lambda: bool(self._slots.running),
                                     on_written=lambda: self._producer.wakeup.set())
         self._executor = Executor(db, self.app.tasks, self._slots, self._leases,
@@ -339,7 +340,8 @@ class Worker:
                                               self._listener_connected,
                                               self.listen_health_interval,
                                               on_lost=self._listener_lost,
-                                              on_settings=self._producer.settings_changed),
+                                              on_settings=self._producer.settings_changed,
+                                              on_due=self._maintenance.stage_at),
                                        name="skipjack-listener"),
                    asyncio.create_task(self._completer.run(), name="skipjack-completer")]
         stopping = asyncio.create_task(self._stopping.wait())
@@ -394,6 +396,13 @@ class Worker:
         event loop once it runs, else None)."""
         return {"serving": self._serving and not self._stopping.is_set(),
                 "listening": self._listening, "loop": self._loop}
+
+    def _recorded(self, o: Outcome, state: str | None, run_at: datetime | None = None) -> None:
+        """An outcome was written: reported; a job retried or released to run again soon
+        gets the stager then, not at its next interval."""
+        self._report.recorded(o, state, run_at)
+        if state == "scheduled" and run_at is not None:
+            self._maintenance.stage_at((run_at - datetime.now(UTC)).total_seconds())
 
     def _count_rescued(self, n: int) -> None:
         self.stats.rescued += n  # only this worker's maintenance thread writes it

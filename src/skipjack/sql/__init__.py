@@ -122,6 +122,7 @@ class Queries:
     STAGE = Statement(maintenance.STAGE)
     STAGE_CANDIDATES = Statement(maintenance.STAGE_CANDIDATES)
     STAGE_ONE = Statement(maintenance.STAGE_ONE)
+    NEXT_DUE = Statement(maintenance.NEXT_DUE)
     RESCUE_CANDIDATES = Statement(maintenance.RESCUE_CANDIDATES)
     RESCUE = Statement(maintenance.RESCUE)
     PRUNE = Statement(maintenance.PRUNE)

@@ -28,6 +28,14 @@ SELECT s.queue, s.jobs,
   FROM (SELECT queue, count(*) AS jobs FROM staged GROUP BY queue) AS s CROSS JOIN room
 """
 
+# Seconds (database clock) until the earliest scheduled job is due, or NULL when none is
+# scheduled (one read of the end of jobs_scheduled_idx): the stager runs again then, if that
+# is sooner than its interval.
+NEXT_DUE = """
+SELECT extract(epoch FROM min(run_at) - now())::float8 FROM {schema}.jobs
+ WHERE state = 'scheduled'
+"""
+
 # After STAGE was refused because of some job (a trigger of the application's): the jobs it
 # would stage (in a transaction rolled back afterwards), each then staged alone in a
 # savepoint to find those it fails on. skip (ids) is usually empty.
