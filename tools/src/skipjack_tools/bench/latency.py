@@ -1,12 +1,15 @@
-"""W3 enqueue-to-start latency on an idle worker, and W5 latency under a steady load."""
+"""W3 enqueue-to-start latency on an idle worker, W5 latency under a steady load, and W9
+how late delayed and retried jobs start."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import random
 import time
 from typing import Any
 
+from skipjack import Backoff, current_job
 from skipjack.app import App
 
 from .common import QUEUE, Settings, count_state, fresh_app, median, percentiles
@@ -132,3 +135,60 @@ def w5(settings: Settings, max_rate: float, concurrency: int) -> dict[str, Any]:
 def count_all(app: App) -> int:
     """Every job in the app's schema, whatever its state."""
     return sum(count_state(app, s) for s in ("available", "running", "succeeded"))
+
+
+LATE_TASK = "bench.lateness"
+RETRY_TASK = "bench.retried_once"
+
+
+def _lateness_once(settings: Settings, jobs: int) -> tuple[list[float], list[float]]:
+    delayed: list[float] = []
+    retried: list[float] = []
+    with fresh_app(settings.dsn, "w9") as app:
+
+        @app.task(name=LATE_TASK, queue=QUEUE)
+        async def late() -> None:
+            """Records its start minus its due time (run_at), in ms."""
+            job = current_job().job
+            delayed.append((time.time() - job.run_at.timestamp()) * 1000)
+
+        @app.task(name=RETRY_TASK, queue=QUEUE, max_attempts=2,
+                  backoff=Backoff(base=0.05, cap=0.2))
+        async def retried_once() -> None:
+            """Fails its first attempt; records the retry's start minus its due time."""
+            job = current_job().job
+            if job.attempt == 1:
+                raise RuntimeError("retry me")
+            retried.append((time.time() - job.run_at.timestamp()) * 1000)
+
+        rng = random.Random(9)
+
+        async def feed() -> None:
+            await asyncio.sleep(0.5)  # the worker is listening and idle
+            for i in range(jobs):
+                if i % 2:
+                    await app.tasks[RETRY_TASK].enqueue_async()
+                else:
+                    await app.tasks[LATE_TASK].configure(
+                        delay=rng.uniform(0.05, 1.5)).enqueue_async()
+                await asyncio.sleep(0.02)
+            while len(delayed) + len(retried) < jobs:
+                await asyncio.sleep(0.01)
+
+        run_worker(app, concurrency=10, until=feed, timeout=30 + jobs * 0.1)
+    return delayed, retried
+
+
+def w9(settings: Settings) -> dict[str, Any]:
+    """W9: how late delayed and retried jobs start, on an idle in-process worker with the
+    default stage interval (1 s): half the jobs enqueued with a delay of 50 ms to 1.5 s,
+    half failing once with a 50-200 ms backoff; 20 ms apart. Milliseconds from each job's due
+    time (run_at) to its handler's start; the median of each percentile over the runs."""
+    jobs = settings.n(200, minimum=20)
+    settings.log(f"W9 lateness: {jobs} jobs, delayed or retried, to an idle worker")
+    samples = [_lateness_once(settings, jobs) for _ in range(settings.runs)]
+    out: dict[str, Any] = {"jobs": jobs}
+    for index, kind in enumerate(("delayed", "retried")):
+        runs = [percentiles(s[index]) for s in samples]
+        out[kind] = {f"{key}_ms": median([r[key] for r in runs]) for key in runs[0]}
+    return out

@@ -97,6 +97,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     seq = sj.get("w8", {}).get("plan", {}).get("seq_scan")
     out.append(_target("W8 claim p99 with history (ms)", w8, "< 10, no Seq Scan",
                        None if w8 is None else (w8 < 10 and seq is False)))
+    for kind in ("delayed", "retried"):
+        late = dig(sj, ("w9", kind, "p99_ms"))
+        out.append(_target(f"W9 {kind} jobs' lateness p99 (ms)", late, "< 50",
+                           None if late is None else late < 50))
     d1 = dig(sj, ("dashboard", "slowest_p95_ms"))
     out.append(_target("D1 slowest dashboard page p95 (ms)", d1, "< 200",
                        None if d1 is None else d1 < 200))
@@ -203,6 +207,12 @@ def _other_table(sj: dict[str, Any]) -> Table:
                   f"{_fmt(w8['claim_ms_during_snapshot']['p50'], 2)}, p99 "
                   f"{_fmt(w8['claim_ms_during_snapshot']['p99'], 2)}; seq scan: "
                   f"{w8['plan']['seq_scan']}")
+    w9 = sj.get("w9")
+    if w9:
+        t.add_row("W9 lateness from due time (ms)",
+                  "; ".join(f"{kind}: p50 {_fmt(w9[kind]['p50_ms'], 1)}, p99 "
+                            f"{_fmt(w9[kind]['p99_ms'], 1)}, max {_fmt(w9[kind]['max_ms'], 1)}"
+                            for kind in ("delayed", "retried")))
     ceiling = sj.get("ceiling")
     if ceiling:
         bare = ", ".join(f"{c} conn: {_fmt(v['jobs_per_s'], 0)}"

@@ -16,7 +16,8 @@ from .common import Settings, connect, server_answers
 from .peers.runner import PEERS, run_peer
 from .report import ratios, targets
 
-SCENARIOS = ("ceiling", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "memory", "dashboard")
+SCENARIOS = ("ceiling", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "memory",
+             "dashboard")
 
 
 def machine(settings: Settings) -> dict[str, Any]:
@@ -48,6 +49,7 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
         "w2": lambda: drain.w2(settings),
         "w3": lambda: latency.w3(settings),
         "w4": lambda: drain.w4(settings),
+        "w9": lambda: latency.w9(settings),
         "w5": lambda: latency.w5(settings, *_w5_inputs(sj)),
         "w6": lambda: claim_methods.run(settings),
         "w7": lambda: retry_storm.run(settings),
