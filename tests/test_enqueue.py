@@ -498,3 +498,40 @@ def test_fc37_a_finished_job_keeps_its_key_unless_unique_while_says_otherwise(
     assert new != old
     assert [(app.get_job(i) or {})["state"] for i in (old, new)] == ["discarded", "available"]
     assert limited.enqueue(n=4) == new
+
+
+def test_every_enqueue_form_can_join_the_caller_s_transaction(app: App) -> None:
+    @app.task(name="with_conn_arg")
+    def with_conn_arg(conn: str, n: int = 0) -> None:  # an argument named conn
+        return None
+
+    task = app.tasks["with_conn_arg"]
+    with app.connect(autocommit=False) as conn:
+        first = task.enqueue_on(conn, conn="an argument", n=1)
+        second = task.configure(priority=5).enqueue_on(conn, conn="another")
+        conn.rollback()
+    assert app.get_job(first) is None and app.get_job(second) is None
+    with app.connect(autocommit=False) as conn:
+        kept = task.configure(priority=5).enqueue_on(conn, conn="kept")
+    job = app.get_job(kept)
+    assert job is not None and job["args"] == {"conn": "kept"} and job["priority"] == 5
+
+    async def run() -> int:
+        aconn = await app.connect_async(autocommit=False)
+        async with aconn:
+            handle = await task.enqueue_on_async(aconn, conn="async")
+            await aconn.rollback()
+            return int(handle)
+
+    rolled_back = asyncio.run(run())
+    assert app.get_job(rolled_back) is None
+
+
+def test_a_conn_keyword_for_a_task_without_one_points_to_enqueue_on(app: App) -> None:
+    @app.task(name="plain")
+    def plain(n: int) -> None:
+        return None
+
+    with app.connect(autocommit=False) as conn, \
+            pytest.raises(ValidationError, match=r"enqueue_on\(conn"):
+        app.tasks["plain"].enqueue(n=1, conn=conn)

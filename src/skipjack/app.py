@@ -168,12 +168,45 @@ class Task:
     def enqueue(self, **kwargs: Any) -> JobHandle:
         """Enqueue one job, with ``kwargs`` as its arguments, as :meth:`App.enqueue` does
         without ``conn`` (on the app's own connection, committed at once, unless the app
-        joins a framework's transaction); returns its :class:`~skipjack.JobHandle`."""
+        joins a framework's transaction); returns its :class:`~skipjack.JobHandle`.
+        :meth:`enqueue_on` enqueues in a transaction of the caller's.
+
+        Raises:
+            ValidationError: as :meth:`job`; or ``conn`` given, which the handler does not
+                take (the message points to :meth:`enqueue_on`).
+        """
+        self._refuse_conn(kwargs)
         return self.app.enqueue(self.job(**kwargs))
 
     async def enqueue_async(self, **kwargs: Any) -> JobHandle:
         """Async :meth:`enqueue`."""
+        self._refuse_conn(kwargs)
         return await self.app.enqueue_async(self.job(**kwargs))
+
+    def _refuse_conn(self, kwargs: dict[str, Any]) -> None:
+        if "conn" in kwargs and not (self.arguments is None or self.arguments.any_keyword
+                                     or "conn" in self.arguments.names):
+            raise ValidationError("conn", f"task {self.name!r} takes no argument 'conn': to "
+                                  "enqueue in your transaction, call "
+                                  "task.enqueue_on(conn, **arguments)")
+
+    def enqueue_on(self, conn: object, /, **kwargs: Any) -> JobHandle:
+        """Enqueue one job in the transaction of ``conn`` (anything :meth:`App.enqueue`
+        takes as ``conn``: a psycopg connection, an SQLAlchemy session or connection, a
+        Django connection), with ``kwargs`` as its arguments. ``conn`` is positional, so a
+        task may have an argument named ``conn``; ``task.configure(...).enqueue_on(conn,
+        ...)`` sets options too.
+
+        Raises:
+            ValidationError: as :meth:`job`, or ``conn`` is not a connection skipjack can
+                use.
+        """
+        return self.app.enqueue(self.job(**kwargs), conn=conn)
+
+    async def enqueue_on_async(self, conn: object, /, **kwargs: Any) -> JobHandle:
+        """Async :meth:`enqueue_on`: ``conn`` is a psycopg ``AsyncConnection``, or an
+        SQLAlchemy ``AsyncSession`` or ``AsyncConnection``."""
+        return await self.app.enqueue_async(self.job(**kwargs), conn=conn)
 
 
 class App(Admin):
