@@ -173,7 +173,8 @@ def test_help_without_the_tools_still_lists_every_command() -> None:
                           text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     listed = re.findall(r"^  (\w+) ", done.stdout.split("Commands:")[1], re.MULTILINE)
-    assert listed == ["bench", "chaos", "cron", "dashboard", "demo", "jobs", "metrics", "migrate",
+    assert listed == ["bench", "chaos", "cron", "dashboard", "demo", "embedded", "jobs", "metrics",
+                      "migrate",
                       "prune",
                       "queues", "stats", "worker", "workers"]
 

@@ -715,6 +715,30 @@ def prune_command(ctx: click.Context, retention: float,
     click.echo(f"deleted {deleted} jobs")
 
 
+@main.group("embedded")
+def embedded_group() -> None:
+    """The embedded PostgreSQL server (used when no DSN is set)."""
+
+
+@embedded_group.command("status")
+def embedded_status() -> None:
+    """Whether the embedded server runs, where its data is, and which processes use it (as
+    JSON; exit status 1 when it is not running)."""
+    state = embedded.status()
+    click.echo(json.dumps(state))
+    if not state["running"]:
+        sys.exit(1)
+
+
+@embedded_group.command("stop")
+def embedded_stop() -> None:
+    """Stop the embedded server now, whoever uses it (their connections break; a later use
+    starts it again)."""
+    stopped = embedded.stop()
+    click.echo(f"stopped the embedded server at {embedded.data_dir()}" if stopped
+               else f"the embedded server at {embedded.data_dir()} is not running")
+
+
 @main.group()
 def cron() -> None:
     """Periodic jobs."""
