@@ -24,6 +24,7 @@ SCENARIO_KEYS = {
     "w6": {"methods", "multi_queue"},
     "w7": {"cases"},
     "w8": {"plan", "claim_ms", "claim_ms_during_snapshot"},
+    "w9": {"delayed", "retried"},
     "memory": {"peak_rss_mib", "idle_rss_mib"},
 }
 

@@ -113,8 +113,10 @@ class WorkerProcesses:
             def ready() -> bool:
                 if any(p.poll() is not None for p in self.procs):
                     raise RuntimeError("a benchmark worker process exited early")
-                row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE query = %s",
-                                   [f'LISTEN "{channel}"']).fetchone()
+                # the listener's last statement is a LISTEN on one of the schema's channels
+                row = conn.execute("SELECT count(*) FROM pg_stat_activity "
+                                   "WHERE starts_with(query, %s)",
+                                   [f'LISTEN "{channel}']).fetchone()
                 return bool(row and row[0] >= len(self.procs))
 
             wait_for(ready, timeout, what="worker processes to start")
