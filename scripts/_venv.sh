@@ -23,4 +23,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 # One pip command for both, so that the local skipjack satisfies skipjack-tools' dependency.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]" -e ./tools
+# SKIPJACK_VENV_EXTRAS names skipjack's extras to add (default: test; empty: none).
+extras="${SKIPJACK_VENV_EXTRAS-test}"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check \
+    -e ".${extras:+[$extras]}" -e ./tools

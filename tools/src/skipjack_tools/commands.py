@@ -28,17 +28,21 @@ from skipjack.cli import parse_duration
 def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
          as_json: bool) -> None:
     """Deliver webhooks to a flaky local receiver and audit the outcome."""
-    from .demo import run_demo
+    from .demo import explain, run_demo
 
+    console = Console(stderr=as_json)
+    # the summary counts every retry: per-job lines (hundreds of retries) would only scroll
+    # through the progress bar; failures of the demo itself still show
+    logging.getLogger("skipjack.jobs").setLevel(logging.ERROR)
     if as_json:
         logging.getLogger("skipjack").setLevel(logging.ERROR)
     summary = run_demo(ctx.obj["dsn"], schema=(ctx.obj["schema"] or "skipjack") + "_demo",
-                       jobs=n_jobs,
-                       concurrency=concurrency, fail_rate=fail_rate, progress=not as_json)
+                       jobs=n_jobs, concurrency=concurrency, fail_rate=fail_rate,
+                       progress=not as_json, console=console)
     if as_json:
         click.echo(json.dumps(summary))
     else:
-        Console().print_json(json.dumps(summary))
+        console.print(explain(summary))
     sys.exit(1 if summary["lost"] else 0)
 
 

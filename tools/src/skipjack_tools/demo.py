@@ -10,6 +10,7 @@ visible. The demo uses its own schema, which it empties at the start.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import statistics
 import threading
@@ -18,10 +19,15 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from rich.console import Console
+from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from skipjack.app import App
 from skipjack.context import current_job
@@ -86,6 +92,7 @@ def run_demo(
     fail_rate: float = 0.1,
     progress: bool = True,
     timeout: float | None = None,
+    console: Console | None = None,
 ) -> dict[str, Any]:
     """Run the webhook demo and return its summary (see the module docstring).
 
@@ -95,11 +102,13 @@ def run_demo(
         jobs: deliveries to enqueue.
         concurrency: the worker's concurrency.
         fail_rate: share of requests refused with 429/500 (0..0.9).
-        progress: show a progress bar on the terminal.
+        progress: show a progress bar on the terminal (on ``console``, which log lines of the
+            run then go through, above the bar).
         timeout: seconds to wait for the queue to drain (default: 60 + jobs / 20).
 
     Returns:
-        A dict with enqueued, delivered, retried, discarded, duplicate_deliveries, lost,
+        A dict with enqueued, delivered, retried (jobs that needed more than one attempt),
+        retries (failed attempts retried), discarded, duplicate_deliveries, lost,
         throughput_jobs_per_s and latency_ms (p50/p95/p99 of enqueue-to-start).
     """
     app = App(dsn, schema=schema)
@@ -141,8 +150,8 @@ def run_demo(
 
         feeder = asyncio.create_task(asyncio.to_thread(enqueue_all))
         bar = Progress(TextColumn("delivering webhooks"), BarColumn(), MofNCompleteColumn(),
-                       TimeElapsedColumn(), disable=not progress)
-        with bar:
+                       TimeElapsedColumn(), disable=not progress, console=console)
+        with bar, _logs_above(bar if progress else None):
             tid = bar.add_task("jobs", total=jobs)
             while time.monotonic() < deadline:
                 done = await asyncio.to_thread(_finished, app)
@@ -168,6 +177,7 @@ def run_demo(
         "enqueued": jobs,
         "delivered": delivered,
         "retried": retried,
+        "retries": worker.stats.retried,
         "discarded": discarded,
         "duplicate_deliveries": sum(n - 1 for n in receiver.delivered.values() if n > 1),
         "lost": jobs - delivered - discarded,
@@ -177,6 +187,52 @@ def run_demo(
         "latency_ms": {f"p{p}": _round(_percentile(latencies, p)) for p in (50, 95, 99)},
         "latency_mean_ms": _round(statistics.fmean(latencies)) if latencies else None,
     }
+
+
+@contextmanager
+def _logs_above(bar: Progress | None) -> Iterator[None]:
+    """While the bar shows, log lines are printed above it (rich redraws it) instead of
+    through it."""
+    if bar is None:
+        yield
+        return
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    handler = RichHandler(console=bar.console, show_path=False)
+    root.handlers = [handler]
+    try:
+        yield
+    finally:
+        root.handlers = saved
+
+
+def explain(summary: dict[str, Any]) -> Table:
+    """The summary for people: each figure with one line saying what it counts."""
+    latency = summary["latency_ms"]
+    rows = [
+        ("enqueued", summary["enqueued"], "webhook deliveries enqueued, in one burst"),
+        ("delivered", summary["delivered"], "jobs that succeeded (the receiver answered 200)"),
+        ("retried", summary["retried"], "of them, jobs that needed more than one attempt"),
+        ("retries", summary["retries"], "failed attempts that were retried (a job can fail "
+                                        "several times)"),
+        ("discarded", summary["discarded"], "jobs that used all 12 attempts (the dead letter)"),
+        ("duplicates", summary["duplicate_deliveries"],
+         "deliveries the receiver saw twice for one idempotency key"),
+        ("lost", summary["lost"], "enqueued - delivered - discarded: must be 0"),
+        ("throughput", f"{summary['throughput_jobs_per_s']} jobs/s",
+         "from the first start to the last finish"),
+        ("latency p50/p95/p99",
+         f"{latency['p50']} / {latency['p95']} / {latency['p99']} ms",
+         "enqueue to first start: mostly waiting behind the burst (the jobs arrive faster "
+         "than the worker delivers them); an idle worker starts a job in milliseconds "
+         "(W3 in docs/performance.md)"),
+    ]
+    table = Table(title="webhook demo", show_header=True)
+    for column in ("figure", "value", "what it counts"):
+        table.add_column(column)
+    for name, value, meaning in rows:
+        table.add_row(name, str(value), meaning)
+    return table
 
 
 def _round(value: float | None) -> float | None:
