@@ -368,7 +368,8 @@ class Admin:
         behind, so the newest bucket fills in late).
 
         Args:
-            span, bucket: e.g. the last hour per minute; buckets are aligned to UTC.
+            span: how far back, e.g. the last hour.
+            bucket: the width of each bucket, e.g. a minute; buckets are aligned to UTC.
             queue: one queue, or None for all.
 
         Returns:

@@ -340,8 +340,9 @@ class App(Admin):
             fn: the handler, sync or ``async def``; it is called with the job's args as
                 keyword arguments.
             name: the task name stored with each job (default ``module.qualname``).
-            queue, priority, max_attempts: defaults for this task's jobs (see
-                :meth:`Task.configure` for the ranges).
+            queue: the default queue of this task's jobs (1-63 bytes).
+            priority: their default priority (-100..100, higher first).
+            max_attempts: their default attempts (1..10,000).
             backoff: retry delay policy (default :class:`skipjack.retry.Backoff()`).
             lease: seconds a claim of this task's jobs lasts (default: the worker's lease);
                 it must be more than twice the worker's heartbeat interval.
