@@ -750,6 +750,7 @@ def cron() -> None:
 def cron_list(ctx: click.Context, app_path: str | None) -> None:
     """The schedules of MODULE:APP: expression, zone, last slot enqueued, missed slots."""
     app = load_app(app_path, ctx.obj["dsn"], None) if app_path else _task_app(ctx, None)
+    _say_where(ctx, app)
     with app.connect() as conn:
         seen = {r[0]: r[1:] for r in conn.execute(app.queries.CRON_LIST).fetchall()}
     for name, entry in sorted(app.crons.items()):
