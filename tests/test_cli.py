@@ -89,6 +89,14 @@ def test_durations_take_units_and_options_come_from_the_environment(tasks: App) 
     assert len(listed.stdout.splitlines()) == 2
     limited = cli(tasks, "queues", "limit", "q", "--rate", "5", "--per", "1m")
     assert limited.returncode == 0 and "5 per 60s" in limited.stdout
+    # each variable is named after its option's long name, and --help shows it
+    from_env = cli(tasks, "queues", "limit", "q", "--rate", "3",
+                   env={"SKIPJACK_QUEUES_LIMIT_PER": "2s"})
+    assert from_env.returncode == 0 and "3 per 2s" in from_env.stdout
+    helped = cli(None, "worker", "--help")
+    assert "SKIPJACK_WORKER_QUEUE;" in helped.stdout.replace("\n", "").replace(" ", "")
+    assert "SKIPJACK_QUEUE_METRICS_PORT" in cli(None, "metrics", "--help").stdout
+    assert "SKIPJACK_VERSION" not in cli(None, "--help").stdout
     bad = cli(tasks, "worker", "jobs_app:app", "--lease", "thirty")
     assert bad.returncode == 2 and "'thirty' is not a duration like 2s, 500ms or 7d" in bad.stderr
     bad_env = cli(tasks, "worker", "jobs_app:app", env={"SKIPJACK_WORKER_LEASE": "-5s"})
@@ -147,3 +155,10 @@ def test_resume_wakes_workers_and_stats_shows_the_settings(tasks: App, tmp_path:
         assert tasks.stats()["settings"]["default"]["concurrency_limit"] == 2
         assert cli(tasks, "queues", "resume", "default").returncode == 0
         assert handle.result(timeout=60) is None
+
+
+def test_an_empty_dsn_is_no_dsn() -> None:
+    from skipjack.db import Database
+
+    db = Database("", "s")
+    assert db.where().startswith("the embedded server at ")

@@ -1,9 +1,9 @@
 """skipjack: a PostgreSQL job queue for Python built on ``FOR UPDATE SKIP LOCKED``.
 
-Public API: :class:`App` (configuration, tasks, enqueue), :class:`JobHandle` (what enqueue
-returns: wait for the outcome), :class:`Worker`, :class:`Backoff`, :func:`current_job`,
-:class:`Hook` (see :mod:`skipjack.hooks`), and the errors. Framework integrations live in
-:mod:`skipjack.contrib`, test helpers in :mod:`skipjack.testing`.
+Public API: ``App`` (configuration, tasks, enqueue), ``JobHandle`` (what enqueue
+returns: wait for the outcome), ``Worker``, ``Backoff``, ``current_job``,
+``Hook`` (see ``skipjack.hooks``), and the errors. Framework integrations live in
+``skipjack.contrib``, test helpers in ``skipjack.testing``.
 """
 
 from .app import App, Task

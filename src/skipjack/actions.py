@@ -1,11 +1,11 @@
 """Job actions of the dashboard and the command line: retry, cancel and discard, for a
 selection of ids or for every job matching a filter, each through the same fenced and
-validated method of :class:`skipjack.App` the API offers, and an account of what each did
+validated method of ``skipjack.App`` the API offers, and an account of what each did
 (or, in a dry run, would do), job by job.
 
-A retry applies only to discarded jobs (:meth:`~skipjack.App.retry_discarded_each`), a
-discard only to waiting ones (:meth:`~skipjack.App.discard`), a cancel to waiting and running
-ones (:meth:`~skipjack.App.cancel`); the others are left alone, and the account says why."""
+A retry applies only to discarded jobs (``skipjack.App.retry_discarded_each``), a
+discard only to waiting ones (``skipjack.App.discard``), a cancel to waiting and running
+ones (``skipjack.App.cancel``); the others are left alone, and the account says why."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Account:
     """What an action did: ``done`` jobs changed (``requested`` of them, for a cancel, are
     running and were asked to stop), and the others left alone, counted by reason;
     ``outcomes`` says it per job id (the past participle, e.g. ``"retried"``, or why the job
-    was left alone). A dry run's account (:func:`preview`) says what would be done."""
+    was left alone). A dry run's account (``preview``) says what would be done."""
 
     action: Action
     done: int = 0
@@ -91,7 +91,7 @@ def _why(state: tuple[str, bool] | None, action: Action) -> str:
 
 
 def apply(app: App, action: Action, ids: Sequence[int]) -> Account:
-    """Run ``action`` on the jobs ``ids`` (at most :data:`skipjack.admin.BATCH` is
+    """Run ``action`` on the jobs ``ids`` (at most ``skipjack.admin.BATCH`` is
     best; repeated ids count once).
 
     Raises:
@@ -143,7 +143,7 @@ def apply(app: App, action: Action, ids: Sequence[int]) -> Account:
 
 
 def preview(app: App, action: Action, ids: Sequence[int]) -> Account:
-    """What :func:`apply` would do to the jobs ``ids`` as they are now, changing nothing (a
+    """What ``apply`` would do to the jobs ``ids`` as they are now, changing nothing (a
     dry run; a job may change before a real run)."""
     asked = list(dict.fromkeys(ids))
     account = Account(action, dry_run=True)
@@ -167,12 +167,12 @@ def preview(app: App, action: Action, ids: Sequence[int]) -> Account:
 def apply_matching(app: App, action: Action, where: JobFilter, *,
                    dry_run: bool = False) -> Account:
     """Run ``action`` on every job matching ``where`` in the states it applies to
-    (:data:`ACTS_ON`), a batch at a time; a filter naming another state matches none.
-    ``dry_run``: only say what it would do (:func:`preview`).
+    (``ACTS_ON``), a batch at a time; a filter naming another state matches none.
+    ``dry_run``: only say what it would do (``preview``).
 
     Raises:
         ValidationError: a filter field out of range.
-        psycopg.Error: as :func:`apply` (the batches before stay applied).
+        psycopg.Error: as ``apply`` (the batches before stay applied).
     """
     account = Account(action, dry_run=dry_run)
     for state in _states(action, where):

@@ -1,7 +1,7 @@
 """Operating the queue: inspect jobs, cancel them, re-enqueue the dead letter, pause and limit
-queues, prune history. :class:`skipjack.App` has these methods (:class:`Admin`).
+queues, prune history. ``skipjack.App`` has these methods (``Admin``).
 
-:func:`prune`, :func:`rollup` and :func:`notify` are also the worker's maintenance duties'
+``prune``, ``rollup`` and ``notify`` are also the worker's maintenance duties'
 own steps."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ RetryOutcome = Literal["retried", "not_found", "not_discarded", "key_held"]
 
 @dataclass(frozen=True)
 class RetryResult:
-    """What :meth:`Admin.retry_discarded_each` did with one job id.
+    """What ``Admin.retry_discarded_each`` did with one job id.
 
     Attributes:
         id: the job id asked for.
@@ -84,7 +84,7 @@ class RetryResult:
 
 def _retry_result(job_id: int, queue: str | None, state: str | None, key: str | None,
                   holder: int | None, holder_state: str | None) -> RetryResult:
-    """A row of RETRY_DISCARDED as a :class:`RetryResult`."""
+    """A row of RETRY_DISCARDED as a ``RetryResult``."""
     if queue is not None:
         return RetryResult(job_id, "retried", "available", key)
     if state is None:
@@ -186,7 +186,7 @@ def rollup(conn: psycopg.Connection[Any], queries: Queries, *, runs: int = 24) -
 
 
 class Admin:
-    """Methods of :class:`skipjack.App` for people and operators (mixed into App, which sets
+    """Methods of ``skipjack.App`` for people and operators (mixed into App, which sets
     ``db``)."""
 
     db: Database
@@ -206,7 +206,7 @@ class Admin:
 
     def reading(self) -> AbstractContextManager[psycopg.Connection[Any]]:
         """A connection for a few reads, returned (or closed) when the block ends: the app's
-        pool's (:class:`skipjack.App`), else a new one.
+        pool's (``skipjack.App``), else a new one.
 
         Raises:
             psycopg.OperationalError: the database cannot be reached.
@@ -239,7 +239,7 @@ class Admin:
 
     def queue_summary(self) -> dict[str, Any]:
         """What a monitor graphs, read without scanning the history: each count comes from
-        the partial index of its state (see ``QUEUE_GAUGES`` in :mod:`skipjack.sql.admin`),
+        the partial index of its state (see ``QUEUE_GAUGES`` in ``skipjack.sql.admin``),
         so its cost grows with the waiting, running and discarded jobs, not the succeeded
         ones.
 
@@ -364,7 +364,7 @@ class Admin:
     def throughput(self, span: timedelta, bucket: timedelta,
                    queue: str | None = None) -> list[dict[str, Any]]:
         """Finished jobs per ``bucket`` and final state over the last ``span``, from the
-        rollup that workers' maintenance keeps (:func:`rollup`; counted up to about 30 s
+        rollup that workers' maintenance keeps (``rollup``; counted up to about 30 s
         behind, so the newest bucket fills in late).
 
         Args:
@@ -384,7 +384,7 @@ class Admin:
 
     def finished_by_queue(self, span: timedelta) -> dict[str, dict[str, int]]:
         """``{queue: {state: jobs}}`` finished over the last ``span``, from the same rollup as
-        :meth:`throughput`."""
+        ``throughput``."""
         counts: dict[str, dict[str, int]] = {}
         with self.reading() as conn:
             for queue, state, n in conn.execute(self.queries.THROUGHPUT_BY_QUEUE,
@@ -394,7 +394,7 @@ class Admin:
 
     def rollup(self) -> int:
         """Run the throughput rollup now (workers' maintenance runs it every 15 s): see
-        :func:`rollup`."""
+        ``rollup``."""
         with self.connect() as conn:
             return rollup(conn, self.queries)
 
@@ -431,7 +431,7 @@ class Admin:
             The ids that were discarded and are now available, in the order asked. The
             others are left alone and logged (INFO, logger ``skipjack.admin``) with why: no
             such job, not discarded, or its idempotency key now held by another job (which
-            keeps it). :meth:`retry_discarded_each` returns that answer per id.
+            keeps it). ``retry_discarded_each`` returns that answer per id.
 
         Raises:
             psycopg.Error: the database refused the statement or could not be reached.
@@ -443,7 +443,7 @@ class Admin:
         return [r.id for r in results if r.outcome == "retried"]
 
     def retry_discarded_each(self, ids: Sequence[int]) -> list[RetryResult]:
-        """:meth:`retry_discarded`, answering for each id what became of it.
+        """``retry_discarded``, answering for each id what became of it.
 
         Every job that can be retried is, in one transaction, whatever the others are: a job
         whose key another job holds never makes the call fail (a holder that commits while
@@ -453,7 +453,7 @@ class Admin:
             ids: job ids (ints); repeated ids count once.
 
         Returns:
-            One :class:`RetryResult` per distinct id, in the order asked.
+            One ``RetryResult`` per distinct id, in the order asked.
 
         Raises:
             psycopg.Error: the database refused the statement or could not be reached.
@@ -587,12 +587,12 @@ class Admin:
         """Delete finished jobs older than ``retention`` seconds (discarded ones older than
         ``discarded_retention``, default ten times as long), batch by batch until none is
         left. Safe beside workers, bulk cancels and other pruners. Returns the rows deleted.
-        Cron history goes too, as in :func:`prune`.
+        Cron history goes too, as in ``prune``.
 
         Raises:
             ValidationError: a retention that is not a number of seconds > 0.
             psycopg.IntegrityError: a row of the application's references a job due for
-                pruning with ``ON DELETE RESTRICT`` or ``NO ACTION``: see :func:`prune`.
+                pruning with ``ON DELETE RESTRICT`` or ``NO ACTION``: see ``prune``.
         """
         for name, value in (("retention", retention), ("discarded_retention",
                                                         discarded_retention)):

@@ -68,7 +68,7 @@ AsyncTransactionSource = Callable[[], AbstractAsyncContextManager[psycopg.AsyncC
 class Task:
     """A registered task: a function plus its default job options.
 
-    Create tasks with :meth:`App.task`; call :meth:`configure` for per-call options. Calling
+    Create tasks with ``App.task``; call ``configure`` for per-call options. Calling
     the task object calls the function directly (no queue involved).
     """
 
@@ -126,7 +126,7 @@ class Task:
                 a crashed worker's job is rescued this long after its last heartbeat.
 
         Raises:
-            ValidationError: any option out of its range (see :mod:`skipjack.jobs`).
+            ValidationError: any option out of its range (see ``skipjack.jobs``).
         """
         changes: dict[str, Any] = {}
         if queue is not None:
@@ -153,7 +153,7 @@ class Task:
         """A validated job for this task with ``kwargs`` as its arguments (not yet enqueued).
 
         Raises:
-            ValidationError: the arguments break a rule of :mod:`skipjack.jobs`, or do not
+            ValidationError: the arguments break a rule of ``skipjack.jobs``, or do not
                 fit the handler's signature (an unexpected or missing argument).
         """
         if self.arguments is not None:
@@ -166,45 +166,45 @@ class Task:
                        self.idempotency_key, self.lease, self.unique_states)
 
     def enqueue(self, **kwargs: Any) -> JobHandle:
-        """Enqueue one job, with ``kwargs`` as its arguments, as :meth:`App.enqueue` does
+        """Enqueue one job, with ``kwargs`` as its arguments, as ``App.enqueue`` does
         without ``conn`` (on the app's own connection, committed at once, unless the app
-        joins a framework's transaction); returns its :class:`~skipjack.JobHandle`.
-        :meth:`enqueue_on` enqueues in a transaction of the caller's.
+        joins a framework's transaction); returns its ``skipjack.JobHandle``.
+        ``enqueue_on`` enqueues in a transaction of the caller's.
 
         Raises:
-            ValidationError: as :meth:`job`; or ``conn`` given, which the handler does not
-                take (the message points to :meth:`enqueue_on`).
+            ValidationError: as ``job``; or ``conn`` given, which the handler does not
+                take (the message points to ``enqueue_on``).
         """
         self._refuse_conn(kwargs)
         return self.app.enqueue(self.job(**kwargs))
 
     async def enqueue_async(self, **kwargs: Any) -> JobHandle:
-        """Async :meth:`enqueue`."""
-        self._refuse_conn(kwargs)
+        """Async ``enqueue``."""
+        self._refuse_conn(kwargs, "enqueue_on_async")
         return await self.app.enqueue_async(self.job(**kwargs))
 
-    def _refuse_conn(self, kwargs: dict[str, Any]) -> None:
+    def _refuse_conn(self, kwargs: dict[str, Any], instead: str = "enqueue_on") -> None:
         if "conn" in kwargs and not (self.arguments is None or self.arguments.any_keyword
                                      or "conn" in self.arguments.names):
             raise ValidationError("conn", f"task {self.name!r} takes no argument 'conn': to "
-                                  "enqueue in your transaction, call "
-                                  "task.enqueue_on(conn, **arguments)")
+                                  f"enqueue in your transaction, call "
+                                  f"task.{instead}(conn, **arguments)")
 
     def enqueue_on(self, conn: object, /, **kwargs: Any) -> JobHandle:
-        """Enqueue one job in the transaction of ``conn`` (anything :meth:`App.enqueue`
+        """Enqueue one job in the transaction of ``conn`` (anything ``App.enqueue``
         takes as ``conn``: a psycopg connection, an SQLAlchemy session or connection, a
         Django connection), with ``kwargs`` as its arguments. ``conn`` is positional, so a
         task may have an argument named ``conn``; ``task.configure(...).enqueue_on(conn,
         ...)`` sets options too.
 
         Raises:
-            ValidationError: as :meth:`job`, or ``conn`` is not a connection skipjack can
+            ValidationError: as ``job``, or ``conn`` is not a connection skipjack can
                 use.
         """
         return self.app.enqueue(self.job(**kwargs), conn=conn)
 
     async def enqueue_on_async(self, conn: object, /, **kwargs: Any) -> JobHandle:
-        """Async :meth:`enqueue_on`: ``conn`` is a psycopg ``AsyncConnection``, or an
+        """Async ``enqueue_on``: ``conn`` is a psycopg ``AsyncConnection``, or an
         SQLAlchemy ``AsyncSession`` or ``AsyncConnection``."""
         return await self.app.enqueue_async(self.job(**kwargs), conn=conn)
 
@@ -213,7 +213,7 @@ class App(Admin):
     """A skipjack application: where the jobs live, which tasks exist, which run on a cron.
 
     The operating methods (``stats``, ``cancel``, ``pause_queue``, ``prune``, ...) are
-    documented in :class:`skipjack.admin.Admin`.
+    documented in ``skipjack.admin.Admin``.
 
     Args:
         dsn: a libpq connection string or URI, or a callable returning one (called on first
@@ -230,18 +230,18 @@ class App(Admin):
             enqueues without ``conn``; 1..1,000. A call waits up to 30 s for a free one,
             then raises ``psycopg_pool.PoolTimeout``: give as many as the threads (or tasks)
             that enqueue at once.
-        hooks: :class:`~skipjack.hooks.Hook` objects run around enqueues and executions
-            (more with :meth:`add_hook`).
+        hooks: ``skipjack.hooks.Hook`` objects run around enqueues and executions
+            (more with ``add_hook``).
         complete_transaction: where sync ``transaction="complete"`` handlers get their
             transaction: a callable returning a context manager that gives a psycopg
             connection in an open transaction, commits it when the block ends and rolls it
             back when it raises. None: a connection of the worker's own pool. The framework
             integrations set it so that a handler's ORM writes join the job's transaction
-            (:func:`skipjack.contrib.sqlalchemy.job_transactions`, the Django app's).
+            (``skipjack.contrib.sqlalchemy.job_transactions``, the Django app's).
         complete_transaction_async: the same for ``async def`` ``"complete"`` handlers: a
             callable returning an async context manager that gives a psycopg
             ``AsyncConnection`` in an open transaction
-            (:func:`skipjack.contrib.sqlalchemy.async_job_transactions`).
+            (``skipjack.contrib.sqlalchemy.async_job_transactions``).
 
     Raises:
         ValidationError: bad schema name, size limit or pool size.
@@ -292,7 +292,7 @@ class App(Admin):
         return self.db.dsn
 
     def add_hook(self, hook: Hook) -> None:
-        """Run ``hook`` (a :class:`~skipjack.hooks.Hook`) around this app's enqueues and its
+        """Run ``hook`` (a ``skipjack.hooks.Hook``) around this app's enqueues and its
         workers' executions from now on, after the hooks added before it. A worker reads the
         hooks as each attempt starts.
 
@@ -343,14 +343,14 @@ class App(Admin):
             queue: the default queue of this task's jobs (1-63 bytes).
             priority: their default priority (-100..100, higher first).
             max_attempts: their default attempts (1..10,000).
-            backoff: retry delay policy (default :class:`skipjack.retry.Backoff()`).
+            backoff: retry delay policy (default ``skipjack.retry.Backoff()``).
             lease: seconds a claim of this task's jobs lasts (default: the worker's lease);
                 it must be more than twice the worker's heartbeat interval.
             transaction: what the handler's database transaction spans.
                 ``"none"`` (default): the handler runs outside any transaction and the
                 outcome is recorded afterwards. ``"complete"``: ``current_job().conn`` is a
                 connection in a transaction that also records the fenced completion, so
-                the handler's writes commit exactly once (see :mod:`skipjack.transactional`).
+                the handler's writes commit exactly once (see ``skipjack.transactional``).
                 ``"claim"``: the job is claimed in a transaction
                 that stays open while the handler runs (sync handlers only) and commits with
                 the outcome. No lease or rescue is involved: if the worker dies, PostgreSQL
@@ -406,7 +406,7 @@ class App(Admin):
              grace: float = 600.0) -> Callable[[Task], Task]:
         """Enqueue a task on a schedule: ``@app.cron("*/5 * * * *", tz="Europe/Berlin")``
         above ``@app.task``. Every worker of the app runs the scheduler; each slot becomes at
-        most one job (see :mod:`skipjack.cron` for syntax, DST and misfire policy).
+        most one job (see ``skipjack.cron`` for syntax, DST and misfire policy).
 
         Args:
             expr: 5-field cron expression or ``@daily``-style macro.
@@ -470,7 +470,7 @@ class App(Admin):
         return self._apool
 
     def reading(self) -> AbstractContextManager[psycopg.Connection[Any]]:
-        """A connection of the app's own pool for a few reads (see :meth:`Admin.reading`);
+        """A connection of the app's own pool for a few reads (see ``Admin.reading``);
         its transaction ends when the block does.
 
         Raises:
@@ -480,7 +480,7 @@ class App(Admin):
 
     def close(self) -> None:
         """Close the app's own connection pools (not connections handed to it) and the
-        connection that waits for job ends (:meth:`JobHandle.result`)."""
+        connection that waits for job ends (``JobHandle.result``)."""
         close_listener(self)
         if self._pool is not None:
             self._pool.close()
@@ -518,14 +518,14 @@ class App(Admin):
             return migrate(conn, self.schema, lock_timeout=lock_timeout, attempts=attempts)
 
     def check_schema(self) -> None:
-        """Raise :class:`SchemaVersionError` unless the schema matches this code exactly."""
+        """Raise ``SchemaVersionError`` unless the schema matches this code exactly."""
         with self.connect() as conn:
             check_schema(conn, self.schema)
 
     # --- enqueue -------------------------------------------------------------------------
 
     def job_handle(self, job_id: int) -> JobHandle:
-        """A :class:`~skipjack.JobHandle` for the job ``job_id`` of this app (whether it
+        """A ``skipjack.JobHandle`` for the job ``job_id`` of this app (whether it
         exists is checked when the handle is used)."""
         return JobHandle(job_id, self)
 
@@ -536,20 +536,20 @@ class App(Admin):
         return None
 
     def enqueue(self, job: JobSpec, *, conn: object | None = None) -> JobHandle:
-        """Enqueue one job; returns its :class:`~skipjack.JobHandle` (the id, as an int, that
-        can wait for the outcome). See :meth:`enqueue_many`."""
+        """Enqueue one job; returns its ``skipjack.JobHandle`` (the id, as an int, that
+        can wait for the outcome). See ``enqueue_many``."""
         return JobHandle(self.enqueue_many([job], conn=conn)[0], self)
 
     def enqueue_many(
         self, jobs: Iterable[JobSpec], *, conn: object | None = None
     ) -> list[int]:
         """Enqueue jobs atomically: one statement for up to 1,000 of them; more are written
-        1,000 to a statement (:data:`skipjack.enqueue.CHUNK_JOBS`) in one transaction (on the
+        1,000 to a statement (``skipjack.enqueue.CHUNK_JOBS``) in one transaction (on the
         app's own connection each is sent without waiting for the previous one's result:
         psycopg pipeline mode).
 
         Args:
-            jobs: specs from :meth:`Task.job`, any iterable. Without ``conn`` it is read as the
+            jobs: specs from ``Task.job``, any iterable. Without ``conn`` it is read as the
                 jobs are written, while this call's transaction is open on one of the app's
                 connections, so a generator's work overlaps the server's; such a generator
                 must not be slow (the transaction stays open while it runs), nor enqueue an
@@ -558,19 +558,19 @@ class App(Admin):
                 that connection).
             conn: the caller's connection: a psycopg ``Connection``, an SQLAlchemy
                 ``Session`` or ``Connection`` (psycopg driver) or a Django connection (see
-                :mod:`skipjack.connections`). The jobs then belong to the caller's
+                ``skipjack.connections``). The jobs then belong to the caller's
                 transaction (and savepoints): workers see them, and are woken, only at
                 commit, and a rollback removes them. Without it, the app's
-                :meth:`default_connection`, else its own connection, which commits at once.
+                ``default_connection``, else its own connection, which commits at once.
 
         Returns:
-            The job ids, in input order (plain ints; :meth:`job_handle` makes a handle of
+            The job ids, in input order (plain ints; ``job_handle`` makes a handle of
             one). A job whose idempotency key already exists gets the existing job's id.
 
         Raises:
             ValidationError: ``conn`` is not a connection skipjack can use; an item is not a
                 JobSpec (or ``jobs`` itself raises it, e.g.
-                from :meth:`Task.job`); nothing of this call is written, whichever item it is.
+                from ``Task.job``); nothing of this call is written, whichever item it is.
             DuplicateJobError: a key is held by a job this caller's snapshot cannot see.
             psycopg.Error: the database refused or could not be reached; nothing of this call
                 was written (a transaction of the caller's is then failed, as after any
@@ -597,13 +597,13 @@ class App(Admin):
         return ids
 
     async def enqueue_async(self, job: JobSpec, *, conn: object | None = None) -> JobHandle:
-        """Async :meth:`enqueue`."""
+        """Async ``enqueue``."""
         return JobHandle((await self.enqueue_many_async([job], conn=conn))[0], self)
 
     async def enqueue_many_async(
         self, jobs: Iterable[JobSpec], *, conn: object | None = None
     ) -> list[int]:
-        """Async :meth:`enqueue_many`; ``conn`` is the caller's psycopg ``AsyncConnection``,
+        """Async ``enqueue_many``; ``conn`` is the caller's psycopg ``AsyncConnection``,
         or an SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` (psycopg driver)."""
         if conn is not None:
             conn = await async_connection(conn)
@@ -631,7 +631,7 @@ class App(Admin):
 @dataclass(frozen=True)
 class CronEntry:
     """A task enqueued on a schedule, with fixed keyword arguments; ``grace`` is seconds
-    after its slot within which a missed run still happens (see :mod:`skipjack.cron`)."""
+    after its slot within which a missed run still happens (see ``skipjack.cron``)."""
 
     name: str
     schedule: CronSchedule

@@ -28,7 +28,7 @@ from .search import JobFilter
 
 
 def parse_duration(value: str) -> float:
-    """:func:`skipjack.durations.parse_duration` for the command line.
+    """``skipjack.durations.parse_duration`` for the command line.
 
     Raises:
         click.BadParameter: the text is not a duration.
@@ -75,6 +75,7 @@ def _app(ctx: click.Context, app_path: str | None = None) -> App:
         app = obj["app"]
     else:
         app = App(obj["dsn"], schema=obj["schema"])
+        ctx.call_on_close(app.close)  # its pool's threads end before the interpreter does
     _say_where(ctx, app)
     return app
 
@@ -88,7 +89,7 @@ def _say_where(ctx: click.Context, app: App) -> None:
 
 
 def _task_app(ctx: click.Context, app_path: str | None) -> App:
-    """:func:`_app` for the commands that need the app's tasks: MODULE:APP is required
+    """``_app`` for the commands that need the app's tasks: MODULE:APP is required
     unless the caller set the app."""
     if not app_path and ctx.obj.get("app") is None:
         raise click.UsageError("Missing argument 'MODULE:APP'.")
@@ -102,7 +103,7 @@ def _exit_before_start(_sig: int, _frame: object) -> None:
 
 
 def load_app(path: str, dsn: str | None, schema: str | None) -> App:
-    """Import ``module:attribute`` (an :class:`App`) from the current directory or sys.path."""
+    """Import ``module:attribute`` (an ``App``) from the current directory or sys.path."""
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise click.BadParameter(f"{path!r}: expected MODULE:APP, e.g. myproject.jobs:app")
@@ -168,6 +169,7 @@ class _Main(click.Group):
         command = getattr(module, attr)
         if not isinstance(command, click.Command):
             raise TypeError(f"{module_name}.{attr} is not a click command")
+        name_env_vars(command, f"SKIPJACK_{cmd_name.upper()}")
         return command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -186,7 +188,7 @@ class _Main(click.Group):
             formatter.write_dl(rows)
 
 
-@click.group(cls=_Main, context_settings={"auto_envvar_prefix": "SKIPJACK"})
+@click.group(cls=_Main)
 @click.version_option(package_name="skipjack", message="skipjack %(version)s")
 @click.option("--dsn", envvar="SKIPJACK_DATABASE_URL", default=None,
               help="PostgreSQL URI. Default: $SKIPJACK_DATABASE_URL, $DATABASE_URL, "
@@ -209,9 +211,10 @@ def main(ctx: click.Context, dsn: str | None, schema: str | None, log_levels: tu
          log_format: LogFormat, verbose: bool, quiet: bool) -> None:
     """skipjack: a PostgreSQL job queue built on FOR UPDATE SKIP LOCKED.
 
-    Every option can also be set in the environment, as SKIPJACK_<COMMAND>_<OPTION>: e.g.
-    SKIPJACK_WORKER_CONCURRENCY=20, SKIPJACK_JOBS_LIST_LIMIT=10 (a name in brackets in an
-    option's help is read first). Durations take a unit: 500ms, 30s, 5m, 12h, 7d.
+    Every option can also be set in the environment, under the name its help shows
+    (env var: ...): SKIPJACK_<COMMAND>_<OPTION> unless named otherwise, e.g.
+    SKIPJACK_WORKER_CONCURRENCY=20, SKIPJACK_JOBS_LIST_LIMIT=10. Durations take a unit:
+    500ms, 30s, 5m, 12h, 7d.
     """
     _configure_logging(log_levels, log_format, verbose, quiet)
     given = (ctx.obj or {}).get("app")
@@ -255,7 +258,8 @@ def _serving(what: str, host: str, port: int) -> click.ClickException:
               help="Apply nothing: list the pending migrations, exit 1 if there are any.")
 @click.option("--sql", "as_sql", is_flag=True,
               help="Apply nothing: print the SQL of the pending migrations (rendered for the "
-                   "schema) for a DBA to run, each in a transaction with its record.")
+                   "schema) for a DBA to run: one transaction, each migration followed by "
+                   "its record.")
 @click.pass_context
 def migrate(ctx: click.Context, lock_timeout: float, attempts: int, check: bool,
             as_sql: bool) -> None:
@@ -761,6 +765,25 @@ def cron_list(ctx: click.Context, app_path: str | None) -> None:
                                "missed": missed}))
 
 
+def name_env_vars(command: click.Command, prefix: str) -> None:
+    """Give every option of ``command`` (and of its subcommands) without a variable of its
+    own the environment variable ``<prefix>_<OPTION>``, from its long name: e.g.
+    ``skipjack worker --poll-interval`` reads ``SKIPJACK_WORKER_POLL_INTERVAL``."""
+    for param in command.params:
+        if not isinstance(param, click.Option) or param.hidden or param.is_eager:
+            continue  # --help and --version act at once: no variable for them
+        if param.envvar is None:
+            longest = max(param.opts, key=len).lstrip("-")
+            param.envvar = f"{prefix}_{longest.replace('-', '_').upper()}"
+        param.show_envvar = True  # --help names it
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            name_env_vars(sub, f"{prefix}_{name.upper()}")
+
+
+name_env_vars(main, "SKIPJACK")
+
+
 def run(args: list[str] | None = None, obj: dict[str, Any] | None = None,
         prog_name: str | None = None) -> None:
     """Entry point that turns skipjack errors into a message and exit status 2.
@@ -783,8 +806,10 @@ def run(args: list[str] | None = None, obj: dict[str, Any] | None = None,
     except psycopg.Error as exc:
         if connection_lost(exc):
             click.echo(f"error: cannot reach the database: {str(exc).strip()}", err=True)
+        elif exc.sqlstate is None and isinstance(exc, psycopg.ProgrammingError):
+            click.echo(f"error: the DSN is not a valid connection string: "
+                       f"{str(exc).strip()}", err=True)
         else:  # e.g. a foreign key of the application's that refuses a prune
-            state = exc.sqlstate or "no SQLSTATE"
-            click.echo(f"error: the database refused a statement ({state}): "
+            click.echo(f"error: the database refused a statement ({exc.sqlstate}): "
                        f"{str(exc).strip()}", err=True)
         sys.exit(2)

@@ -1,4 +1,4 @@
-"""What a running handler can know about its job: :func:`current_job`."""
+"""What a running handler can know about its job: ``current_job``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class Job:
 
     Times are aware datetimes from the database clock (UTC). ``args`` is None when the
     payload was too large to fetch with the claim; the worker loads it before the handler runs.
-    ``metadata`` holds the text entries hooks attached at enqueue (see :mod:`skipjack.hooks`),
+    ``metadata`` holds the text entries hooks attached at enqueue (see ``skipjack.hooks``),
     e.g. a trace context; None when there are none.
     """
 
@@ -58,7 +58,7 @@ class JobContext:
     the job's cancellation was requested, it timed out, or the worker is shutting down past
     its grace period; ``cause`` then says which and ``reason`` says it for people. Async
     handlers are also cancelled outright; long sync handlers should check
-    :meth:`raise_if_cancelled` between steps.
+    ``raise_if_cancelled`` between steps.
     """
 
     job: Job
@@ -75,8 +75,8 @@ class JobContext:
 
         The worker writes the latest report at most once a second while the job runs
         (fenced: a worker that lost the job's lease writes nothing), and the last one with
-        the job's outcome. It is read by :meth:`skipjack.JobHandle.progress`,
-        :meth:`skipjack.App.get_job` and ``skipjack jobs show``.
+        the job's outcome. It is read by ``skipjack.JobHandle.progress``,
+        ``skipjack.App.get_job`` and ``skipjack jobs show``.
 
         Raises:
             ValidationError: ``value`` is not JSON (NaN and infinities are not), or takes
@@ -101,7 +101,7 @@ class JobContext:
 
     @property
     def cancelled(self) -> threading.Event:
-        """A :class:`threading.Event` set when the job is taken from its handler (made on
+        """A ``threading.Event`` set when the job is taken from its handler (made on
         first use: most jobs never need one)."""
         if self._event is None:
             with _EVENT_LOCK:
@@ -128,7 +128,7 @@ class JobContext:
         self.cancelled.set()
 
     def raise_if_cancelled(self) -> None:
-        """Raise :class:`JobCancelled` if the job was taken from this handler."""
+        """Raise ``JobCancelled`` if the job was taken from this handler."""
         if self.is_cancelled:
             raise JobCancelled(f"job {self.job.id}: {self.reason}")
 

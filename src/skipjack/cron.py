@@ -24,7 +24,7 @@ seconds old and records none as missed (it did not exist then).
 
 Each slot is a row of ``cron_slots`` (primary key name + slot), inserted in the same
 transaction as its job, so any number of schedulers enqueue a slot at most once (the
-scheduler pass is :func:`skipjack.runtime.maintenance.schedule_due`).
+scheduler pass is ``skipjack.runtime.maintenance.schedule_due``).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _instants(wall: datetime, zone: ZoneInfo, both_folds: bool) -> Iterator[date
 
 
 class Planned(Protocol):
-    """What :func:`plan` reads of a cron entry (see :class:`skipjack.app.CronEntry`)."""
+    """What ``plan`` reads of a cron entry (see ``skipjack.app.CronEntry``)."""
 
     @property
     def schedule(self) -> CronSchedule: ...

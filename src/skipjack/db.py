@@ -1,8 +1,8 @@
 """Database plumbing shared by every part of skipjack: where the database is, how to connect,
 the schema's notification channel, and how to tell a lost connection from a refused statement.
 
-:class:`Database` is the small handle that components receive instead of the whole
-:class:`~skipjack.App`: a DSN (resolved on first use), a schema and its statements, and
+``Database`` is the small handle that components receive instead of the whole
+``skipjack.App``: a DSN (resolved on first use), a schema and its statements, and
 connection factories with skipjack's connection options.
 """
 
@@ -101,7 +101,7 @@ class ReconnectDelay:
     Delays double from ``base`` up to ``cap``, each with +-25% jitter so that many workers do
     not reconnect in lockstep after a server restart. A worker never gives up: it keeps trying
     at the cap (so it logs about once per ``cap`` seconds per component while the database is
-    away). Call :meth:`next` for each wait and :meth:`reset` after a success.
+    away). Call ``next`` for each wait and ``reset`` after a success.
 
     Args:
         base: seconds, the first delay (before jitter).
@@ -114,7 +114,7 @@ class ReconnectDelay:
         self._failures = 0
 
     def peek(self) -> float:
-        """The un-jittered delay the next call to :meth:`next` is centred on."""
+        """The un-jittered delay the next call to ``next`` is centred on."""
         return min(self.cap, self.base * 2.0 ** min(self._failures, 32))
 
     def next(self) -> float:
@@ -135,7 +135,7 @@ class Database:
 
     Args:
         dsn: a libpq connection string or URI, or a callable returning one (called on first
-            use); None resolves it on first use with :func:`resolve_dsn` (which may start
+            use); None resolves it on first use with ``resolve_dsn`` (which may start
             the embedded server).
         schema: the schema of skipjack's tables (validated by the caller).
         prepare: let psycopg prepare statements it runs often; False for a
@@ -144,7 +144,7 @@ class Database:
 
     def __init__(self, dsn: str | Callable[[], str] | None, schema: str, *,
                  prepare: bool = True) -> None:
-        self._dsn = dsn if isinstance(dsn, str) else None
+        self._dsn = dsn if isinstance(dsn, str) and dsn.strip() else None  # "": not given
         self._resolve = dsn if callable(dsn) else resolve_dsn
         self._lock = threading.Lock()
         self.schema = schema

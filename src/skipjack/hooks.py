@@ -1,8 +1,8 @@
 """Hooks: code of the application's (error reporting, metrics, tracing, tenancy context) that
 runs around each enqueue and each job's execution, without forking skipjack.
 
-Subclass :class:`Hook`, override what you need, and register it with
-:meth:`skipjack.App.add_hook` (or ``App(hooks=[...])``)::
+Subclass ``Hook``, override what you need, and register it with
+``skipjack.App.add_hook`` (or ``App(hooks=[...])``)::
 
     class Tenancy(skipjack.Hook):
         def enqueue(self, call):
@@ -18,16 +18,16 @@ Subclass :class:`Hook`, override what you need, and register it with
 
 Three points of a job's life:
 
-- :meth:`Hook.enqueue`, in the enqueuing thread, around the statements that write the jobs
+- ``Hook.enqueue``, in the enqueuing thread, around the statements that write the jobs
   of one ``enqueue``/``enqueue_many`` call (inside the caller's transaction when it gave
-  ``conn=``). It may add text entries to :attr:`EnqueueCall.metadata`; they are stored with
-  every job of the call and come back as :attr:`skipjack.Job.metadata` in the worker.
-- :meth:`Hook.run`, around one attempt of a handler, entered and exited where the handler runs:
+  ``conn=``). It may add text entries to ``EnqueueCall.metadata``; they are stored with
+  every job of the call and come back as ``skipjack.Job.metadata`` in the worker.
+- ``Hook.run``, around one attempt of a handler, entered and exited where the handler runs:
   in its thread for a sync handler, in its asyncio task for an ``async def`` one, so context
   variables it sets (a span made current, a logging context, a tenant) are the handler's. The
   same hook serves sync and async handlers. It sees the handler's exception on exit.
-- :meth:`Hook.ended`, once per attempt after its outcome was recorded (or refused, or not
-  written because the worker lost the lease), with the :class:`Attempt`: the job, what became
+- ``Hook.ended``, once per attempt after its outcome was recorded (or refused, or not
+  written because the worker lost the lease), with the ``Attempt``: the job, what became
   of it, how long the handler ran, its exception and when the job runs again. It runs on
   the worker's event loop thread: it must return quickly and never block.
 
@@ -63,7 +63,7 @@ FAILURE_LOG_EVERY = 60.0
 
 @dataclass
 class EnqueueCall:
-    """One ``enqueue``/``enqueue_many`` call, as :meth:`Hook.enqueue` sees it.
+    """One ``enqueue``/``enqueue_many`` call, as ``Hook.enqueue`` sees it.
 
     Attributes:
         jobs: the specs written so far, in input order (an iterable is read as its jobs are
@@ -87,13 +87,13 @@ class EnqueueCall:
 
 @dataclass(slots=True)
 class Attempt:
-    """What became of one attempt of a job, as :meth:`Hook.ended` sees it.
+    """What became of one attempt of a job, as ``Hook.ended`` sees it.
 
     Attributes:
         job: the job as claimed (its ``attempt`` is this attempt's number, from 1).
         outcome: ``succeeded``; ``retried`` (failed, runnable again at ``run_at``);
-            ``discarded`` (failed for the last time, or :class:`~skipjack.Discard`: the dead
-            letter); ``cancelled``; ``snoozed`` (:class:`~skipjack.Snooze`, runnable again at
+            ``discarded`` (failed for the last time, or ``skipjack.Discard``: the dead
+            letter); ``cancelled``; ``snoozed`` (``skipjack.Snooze``, runnable again at
             ``run_at``, the attempt not counted); ``released`` (given back without counting
             the attempt: the worker stopped, the task is unknown to it, or its own
             transaction lost the database); ``lost`` (the worker lost the job's lease:
@@ -122,7 +122,7 @@ class Attempt:
 
 class Hook:
     """Code run around enqueues and executions; override any of the three methods (the
-    defaults do nothing). See :mod:`skipjack.hooks`."""
+    defaults do nothing). See ``skipjack.hooks``."""
 
     def enqueue(self, call: EnqueueCall) -> AbstractContextManager[object] | None:
         """Called before the jobs of ``call`` are written; return a context manager to be
@@ -160,7 +160,7 @@ def _storable(text: str) -> bool:
 
 class Hooks:
     """The hooks of one app, and the one place that calls them, each call guarded so that a
-    hook that raises is logged and skipped (see :mod:`skipjack.hooks`)."""
+    hook that raises is logged and skipped (see ``skipjack.hooks``)."""
 
     def __init__(self, hooks: Sequence[Hook] = ()) -> None:
         self._all: list[Hook] = []
@@ -175,11 +175,11 @@ class Hooks:
             self.add(hook)
 
     def add(self, hook: Hook) -> None:
-        """Register ``hook`` (a :class:`Hook`); the methods it overrides are called from now
+        """Register ``hook`` (a ``Hook``); the methods it overrides are called from now
         on, after those of hooks registered before it.
 
         Raises:
-            TypeError: ``hook`` is not a :class:`Hook`.
+            TypeError: ``hook`` is not a ``Hook``.
         """
         if not isinstance(hook, Hook):
             raise TypeError(f"hooks: a skipjack.Hook is needed, got {type(hook).__name__}")
@@ -206,7 +206,7 @@ class Hooks:
     def around_enqueue(self, jobs: list[JobSpec],
                        in_transaction: bool) -> AbstractContextManager[EnqueueCall | None]:
         """A context manager around the writing of one enqueue call's jobs (``jobs``: the
-        list its plan fills as it writes them): it yields the :class:`EnqueueCall` that the
+        list its plan fills as it writes them): it yields the ``EnqueueCall`` that the
         hooks see (the caller sets its ``ids`` and ``inserted`` on success), or None when no
         hook has ``enqueue`` (nothing to do)."""
         if not self._enqueue:

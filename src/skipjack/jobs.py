@@ -59,7 +59,7 @@ def has_nul_escape(json_text: str) -> bool:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """A validated job, ready to enqueue. Build it with :meth:`skipjack.Task.job`.
+    """A validated job, ready to enqueue. Build it with ``skipjack.Task.job``.
 
     ``args_json`` is the serialised args (UTF-8 JSON text); ``delay`` is seconds from the
     database's ``now()`` when ``run_at`` is None. (Task.job passes the fields by position:
@@ -278,7 +278,7 @@ TRANSACTION_MODES: tuple[TransactionMode, ...] = ("none", "complete", "claim")
 
 
 def check_transaction(value: object) -> TransactionMode:
-    """Raises ValidationError unless ``value`` is one of :data:`TRANSACTION_MODES`."""
+    """Raises ValidationError unless ``value`` is one of ``TRANSACTION_MODES``."""
     if value not in TRANSACTION_MODES:
         raise ValidationError("transaction", f"{value!r} is not one of {TRANSACTION_MODES}")
     return value  # narrowed by the membership test
@@ -405,7 +405,7 @@ def dump_result(value: object) -> str | None:
 
 
 def job_ids(values: Iterable[object]) -> list[int]:
-    """Job ids as plain ints, for an array parameter (a :class:`skipjack.JobHandle` is an
+    """Job ids as plain ints, for an array parameter (a ``skipjack.JobHandle`` is an
     int subclass, which psycopg will not put in one array with plain ints).
 
     Raises:
@@ -413,7 +413,7 @@ def job_ids(values: Iterable[object]) -> list[int]:
     """
     out = []
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValidationError("ids", f"{value!r} is not a job id (an int)")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**63:
+            raise ValidationError("ids", f"{value!r} is not a job id (an int in 1..2^63-1)")
         out.append(int(value))
     return out

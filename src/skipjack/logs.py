@@ -1,10 +1,10 @@
 """Logging: skipjack's loggers, a JSON formatter, and the set-up the command line uses.
 
-skipjack logs through the standard :mod:`logging` module and never configures it when used as
+skipjack logs through the standard ``logging`` module and never configures it when used as
 a library. Its loggers:
 
 =====================  ==================================================================
-``skipjack.jobs``      one line per attempt's outcome (see :mod:`skipjack.runtime.report`)
+``skipjack.jobs``      one line per attempt's outcome (see ``skipjack.runtime.report``)
 ``skipjack.worker``    lifecycle: start, stop, reconnects, lease losses, stale writes
 ``skipjack.hooks``     hooks that raised
 ``skipjack.migrate``   schema migrations
@@ -12,7 +12,7 @@ a library. Its loggers:
 
 Their records carry the facts of a line as attributes (``job_id``, ``task``, ``queue``,
 ``attempt``, ``max_attempts``, ``outcome``, ``duration``, ``error_type``, ``error``,
-``retry_in``, ``retry_at``), which :class:`JsonFormatter` prints as fields. An application
+``retry_in``, ``retry_at``), which ``JsonFormatter`` prints as fields. An application
 that embeds a worker can get the same output with::
 
     logging.config.dictConfig({
@@ -74,7 +74,7 @@ def parse_levels(values: Iterable[str]) -> tuple[int | None, dict[str, int]]:
         (the root level, or None when none was given; logger name -> level).
 
     Raises:
-        ValueError: a level name that :mod:`logging` does not know (the message names it).
+        ValueError: a level name that ``logging`` does not know (the message names it).
     """
     root: int | None = None
     loggers: dict[str, int] = {}
@@ -101,8 +101,8 @@ def configure(level: int = logging.INFO, fmt: LogFormat = "text",
     line; what the ``skipjack`` command does before any command runs.
 
     Args:
-        level: the root logger's level (a :mod:`logging` level number).
-        fmt: ``"text"`` (time, level, logger, message) or ``"json"`` (:class:`JsonFormatter`).
+        level: the root logger's level (a ``logging`` level number).
+        fmt: ``"text"`` (time, level, logger, message) or ``"json"`` (``JsonFormatter``).
         loggers: levels of single loggers, e.g. ``{"skipjack.jobs": logging.WARNING}``.
         stream: where lines go.
     """

@@ -3,14 +3,14 @@
 
 Two sources, each served over HTTP for Prometheus to scrape:
 
-- a worker's own counters, histograms and gauges: :class:`MetricsHook` (a
-  :class:`~skipjack.hooks.Hook`, so enqueues of a web process are counted too) and
-  :func:`serve_worker` (``skipjack worker --metrics-port``);
-- the queue as the database holds it, whichever workers run: :class:`QueueCollector`
+- a worker's own counters, histograms and gauges: ``MetricsHook`` (a
+  ``skipjack.hooks.Hook``, so enqueues of a web process are counted too) and
+  ``serve_worker`` (``skipjack worker --metrics-port``);
+- the queue as the database holds it, whichever workers run: ``QueueCollector``
   (``skipjack metrics --port``).
 
 Worker metrics (``queue`` and ``task`` labels; ``outcome`` is one of succeeded, retried,
-discarded, cancelled, snoozed, released, lost, stale: see :class:`skipjack.hooks.Attempt`):
+discarded, cancelled, snoozed, released, lost, stale: see ``skipjack.hooks.Attempt``):
 
 =========================================  ================================================
 ``skipjack_jobs_enqueued_total``           jobs created by enqueue calls of this process
@@ -36,7 +36,7 @@ discarded, cancelled, snoozed, released, lost, stale: see :class:`skipjack.hooks
                                            rescuer returned to their queue
 =========================================  ================================================
 
-Queue metrics (see :class:`QueueCollector`): ``skipjack_queue_jobs{queue,state}`` for
+Queue metrics (see ``QueueCollector``): ``skipjack_queue_jobs{queue,state}`` for
 scheduled, available, running and discarded (the dead letter) jobs,
 ``skipjack_queue_oldest_runnable_seconds{queue}``, ``skipjack_queue_paused{queue}``,
 ``skipjack_queue_concurrency_limit{queue}``, ``skipjack_queue_rate_limit{queue}`` (starts
@@ -176,9 +176,9 @@ def _metrics(registry: CollectorRegistry) -> _Metrics:
 
 
 class MetricsHook(Hook):
-    """Counts enqueues and attempts into Prometheus metrics (see :mod:`skipjack.metrics`).
+    """Counts enqueues and attempts into Prometheus metrics (see ``skipjack.metrics``).
 
-    Every count of an attempt is taken as it ends (in :meth:`ended`), on the worker's event
+    Every count of an attempt is taken as it ends (in ``ended``), on the worker's event
     loop: ``skipjack_jobs_started_total`` and the start latency count an attempt once its
     handler has returned or raised (the ``skipjack_worker_running`` gauge shows the ones
     still running).
@@ -298,7 +298,7 @@ class _WorkerCollector(Collector):
 
 def serve_worker(worker: Worker, port: int, host: str = "0.0.0.0",
                  registry: CollectorRegistry = REGISTRY) -> Any:
-    """Count ``worker``'s app's enqueues and attempts (adding a :class:`MetricsHook` unless
+    """Count ``worker``'s app's enqueues and attempts (adding a ``MetricsHook`` unless
     the app has one on ``registry``), and serve them with the worker's gauges at
     ``http://host:port/metrics`` from a daemon thread.
 
@@ -325,14 +325,14 @@ def serve_worker(worker: Worker, port: int, host: str = "0.0.0.0",
 
 
 class QueueCollector(Collector):
-    """Queue-level gauges read from the database (see :mod:`skipjack.metrics`), through
-    :meth:`skipjack.admin.Admin.queue_summary`: every count comes from the partial index of
+    """Queue-level gauges read from the database (see ``skipjack.metrics``), through
+    ``skipjack.admin.Admin.queue_summary``: every count comes from the partial index of
     its state, so a scrape costs in proportion to the waiting, running and discarded jobs,
     never to the succeeded history. A summary is kept ``cache_seconds`` and shared by the
     scrapes in that time; scrapes never read the database more often.
 
     Args:
-        app: the application (an :class:`~skipjack.App`) whose database is read.
+        app: the application (an ``skipjack.App``) whose database is read.
         cache_seconds: seconds a summary is reused (>= 0).
 
     If the database cannot be read, the scrape reports ``skipjack_up 0`` and no other
@@ -414,9 +414,9 @@ class QueueCollector(Collector):
 
 def serve_queue(app: Admin, port: int, host: str = "0.0.0.0",
                 cache_seconds: float = QUEUE_CACHE_SECONDS) -> Any:
-    """Serve :class:`QueueCollector` gauges of ``app`` at ``http://host:port/metrics`` from a
+    """Serve ``QueueCollector`` gauges of ``app`` at ``http://host:port/metrics`` from a
     daemon thread, on a registry of their own; returns the HTTP server (see
-    :func:`serve_worker`).
+    ``serve_worker``).
 
     Raises:
         OSError: the port cannot be bound.

@@ -1,6 +1,6 @@
 """Numbered schema migrations, applied under a transaction-scoped advisory lock.
 
-Migrations are the files ``migrations/NNNN_name.sql`` in this package. :func:`migrate` first
+Migrations are the files ``migrations/NNNN_name.sql`` in this package. ``migrate`` first
 reads which versions the schema has, taking no lock stronger than a read of the
 ``migrations`` table: when nothing is missing it is done, having run no DDL and taken no
 advisory lock. Otherwise it runs every missing migration in a single transaction that first
@@ -13,7 +13,7 @@ alters ``jobs`` needs an ACCESS EXCLUSIVE lock on it; while its request waits (s
 backup's ACCESS SHARE lock), every enqueue, claim and read of the table queues behind the
 request. With the timeout the request gives up instead, the transaction rolls back, and the
 queue's statements go on; the migration tries again after a backoff, a bounded number of
-times, then raises :class:`~skipjack.errors.MigrationLockError` naming the sessions that
+times, then raises ``skipjack.errors.MigrationLockError`` naming the sessions that
 hold locks on the schema's tables.
 """
 
@@ -93,7 +93,7 @@ class _LockFailed(Exception):
 
 
 def check_lock_options(lock_timeout: float, attempts: int) -> None:
-    """Validate the lock options of :func:`migrate`.
+    """Validate the lock options of ``migrate``.
 
     Raises:
         ValidationError: ``lock_timeout`` is not in 0.001..600 seconds, or ``attempts`` not
@@ -153,7 +153,7 @@ def migrate(conn: psycopg.Connection[Any], schema: str, *, lock_timeout: float =
 
 def _migrate_once(conn: psycopg.Connection[Any], schema: str, q: Queries,
                   lock_timeout: float) -> list[int]:
-    """One attempt of :func:`migrate`.
+    """One attempt of ``migrate``.
 
     Raises:
         _LockFailed: a lock wait timed out or deadlocked (everything rolled back).
@@ -223,7 +223,7 @@ def pending(conn: psycopg.Connection[Any], schema: str) -> list[Migration]:
 
 
 def pending_sql(conn: psycopg.Connection[Any], schema: str, todo: list[Migration]) -> str:
-    """The SQL that applies ``todo`` to ``schema`` as :func:`migrate` would, for a DBA to
+    """The SQL that applies ``todo`` to ``schema`` as ``migrate`` would, for a DBA to
     review and run with psql: one transaction, under the same advisory lock, each migration
     followed by its record in the migrations table. Empty when ``todo`` is."""
     if not todo:

@@ -1,5 +1,5 @@
-"""What became of an attempt: the :class:`Outcome` type, its binding for the fenced outcome
-statement, and :func:`decide`, the one place that turns a handler's result, exception or
+"""What became of an attempt: the ``Outcome`` type, its binding for the fenced outcome
+statement, and ``decide``, the one place that turns a handler's result, exception or
 cancellation into an outcome (every execution mode uses it).
 """
 
@@ -45,9 +45,9 @@ class Outcome:
     ``lease_version``.
 
     ``delay`` is seconds until the job is runnable again (retry, release); ``result`` and
-    ``error`` are JSON text (see :func:`error_json`). ``job``, ``ran`` (seconds the handler
+    ``error`` are JSON text (see ``error_json``). ``job``, ``ran`` (seconds the handler
     ran; None when it never started) and ``exception`` (what it raised) are not written:
-    they are for the log line and the hooks (see :mod:`skipjack.runtime.report`).
+    they are for the log line and the hooks (see ``skipjack.runtime.report``).
     ``progress`` is the handler's last progress report (JSON text), written with the outcome
     so that the last one is kept however soon after it the job ended.
     """
@@ -96,10 +96,10 @@ def decide(job: Job, task: Task | None, *, result: object = None,
            cancelled: tuple[CancelCause, str] | None = None,
            unknown_task_grace: float = UNKNOWN_TASK_GRACE,
            ran: float | None = None) -> Outcome | None:
-    """The outcome of one attempt (see :func:`_decide`), with ``job``, ``ran`` (seconds the
+    """The outcome of one attempt (see ``_decide``), with ``job``, ``ran`` (seconds the
     handler ran) and the exception attached for the reports; never raises: if deciding
     itself fails (a task's policy that raises), the attempt is retried with
-    :data:`DEFAULT_BACKOFF` and that failure as its error, so no job is left running
+    ``DEFAULT_BACKOFF`` and that failure as its error, so no job is left running
     unrecorded."""
     try:
         if cancelled is None and error is None and task is not None:
@@ -131,7 +131,7 @@ def _decide(job: Job, task: Task | None, *, result: object, error: BaseException
         job: the claimed job (its id, fencing token, queue and attempt).
         task: its task, or None when this worker does not know the task.
         result: what the handler returned (stored as JSON, see
-            :func:`skipjack.jobs.dump_result`).
+            ``skipjack.jobs.dump_result``).
         error: what the handler raised, if it raised.
         cancelled: (cause, reason) when the worker took the job from its handler; it
             decides before ``result`` or ``error``.
@@ -142,14 +142,14 @@ def _decide(job: Job, task: Task | None, *, result: object, error: BaseException
         None when nothing may be written (the lease was lost: the job belongs to another
         claim now). Else, in this order: a requested cancellation -> ``cancel``; a shutdown
         -> ``release`` (the attempt not counted); an unknown task -> ``release`` after
-        :data:`UNKNOWN_TASK_DELAY` or half the grace (the attempt not counted) until the job
+        ``UNKNOWN_TASK_DELAY`` or half the grace (the attempt not counted) until the job
         has waited ``unknown_task_grace`` seconds since its enqueue (database clock), then
         ``discard``;
         a timeout -> a failure with ``TimeoutError``; no error -> ``complete``;
-        :class:`~skipjack.Snooze` -> ``release`` after its delay; :class:`~skipjack.Discard`
-        (and :class:`~skipjack.errors.ArgumentsError`) -> ``discard``; a lost database
+        ``skipjack.Snooze`` -> ``release`` after its delay; ``skipjack.Discard``
+        (and ``skipjack.errors.ArgumentsError``) -> ``discard``; a lost database
         connection under a task's own transaction (``transaction`` "complete" or "claim")
-        -> ``release`` after :data:`DEFAULT_BACKOFF`'s first delay (not the job's fault);
+        -> ``release`` after ``DEFAULT_BACKOFF``'s first delay (not the job's fault);
         anything else -> ``retry`` after the task's backoff for this attempt.
     """
     if cancelled is not None:

@@ -1,9 +1,9 @@
-"""Waiting for a job's outcome: :class:`JobHandle`, which every enqueue returns.
+"""Waiting for a job's outcome: ``JobHandle``, which every enqueue returns.
 
 A waiter marks its job ``awaited``; the job's end (whoever records it: a worker, a rescuer,
 a cancel or discard by hand) then sends a notification on the schema's channel for ends
 (migration 6), which one listener thread per app hands to every waiter of that job. Waiters
-also read the job again every :data:`POLL_INTERVAL` seconds, so a missed notification (a
+also read the job again every ``POLL_INTERVAL`` seconds, so a missed notification (a
 full notification queue, a lost listener connection) only delays them.
 """
 
@@ -36,7 +36,7 @@ class JobHandle(int):
     """The id of an enqueued job (an ``int``: it compares, hashes, serialises and binds as
     the id), with a way to wait for the job's outcome and read its progress.
 
-    Handles are made by enqueue; :meth:`skipjack.App.job_handle` makes one for any id.
+    Handles are made by enqueue; ``skipjack.App.job_handle`` makes one for any id.
     """
 
     app: Admin
@@ -65,13 +65,13 @@ class JobHandle(int):
         cancelled.
 
         Raises:
-            JobNotFound: no job has this id (see :class:`~skipjack.errors.JobNotFound`).
+            JobNotFound: no job has this id (see ``skipjack.errors.JobNotFound``).
         """
         return str(_read(self.app, int(self))["state"])
 
     def progress(self) -> Any:
         """The latest progress the job's handler reported
-        (:meth:`skipjack.JobContext.progress`), None if none yet.
+        (``skipjack.JobContext.progress``), None if none yet.
 
         Raises:
             JobNotFound: no job has this id.
@@ -81,7 +81,7 @@ class JobHandle(int):
     def result(self, timeout: float | None = None) -> Any:
         """Wait for the job to end; return its handler's return value (as stored: JSON
         values as they were, anything else as its ``repr``; see
-        :func:`skipjack.jobs.dump_result`).
+        ``skipjack.jobs.dump_result``).
 
         Woken by a notification within milliseconds of the job's end, else by a read every
         second. Waiting changes nothing about the job, and a job enqueued in a transaction
@@ -118,7 +118,7 @@ class JobHandle(int):
             listener.remove(int(self), event.set)
 
     async def result_async(self, timeout: float | None = None) -> Any:
-        """:meth:`result` for a coroutine: the event loop runs on while it waits (the reads
+        """``result`` for a coroutine: the event loop runs on while it waits (the reads
         run in a thread)."""
         deadline = _deadline(timeout)
         listener = _listener(self.app)
@@ -194,7 +194,7 @@ _LISTENERS_LOCK = threading.Lock()
 
 
 def close_listener(app: Admin) -> None:
-    """Stop the listener of ``app``'s waiters, if it runs (:meth:`skipjack.App.close`)."""
+    """Stop the listener of ``app``'s waiters, if it runs (``skipjack.App.close``)."""
     with _LISTENERS_LOCK:
         listener = _LISTENERS.get(id(app))
     if listener is not None and listener.app is app:
@@ -241,7 +241,7 @@ class Listener:
 
     def add(self, job_id: int, wake: Callable[[], None]) -> None:
         """Call ``wake`` (from the listener's thread) whenever ``job_id``'s end is
-        announced, until :meth:`remove`."""
+        announced, until ``remove``."""
         with self._lock:
             self._waiters.setdefault(job_id, []).append(wake)
             if self._thread is None or not self._thread.is_alive():

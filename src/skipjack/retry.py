@@ -33,7 +33,7 @@ class Backoff:
     Args:
         base: seconds; the delay ceiling after attempt 1 is ``2 * base``. 0.001 <= base <= cap.
         cap: seconds; no delay exceeds it. base <= cap <= 31,557,600 (one year, as for
-            :class:`~skipjack.Snooze`).
+            ``skipjack.Snooze``).
         jitter: when False, the delay is the ceiling itself (deterministic; use only for tests
             and benchmarks, it brings back retry storms).
 

@@ -1,8 +1,8 @@
-"""Which jobs an operator means: a :class:`JobFilter`, for listing jobs page by page and for
+"""Which jobs an operator means: a ``JobFilter``, for listing jobs page by page and for
 acting on every job that matches (the dashboard's bulk actions).
 
-A filter is checked when it is made (:meth:`JobFilter.check`) and becomes a statement built
-from constant conditions (:data:`skipjack.sql.admin.SEARCH_CONDITIONS`) whose values are bound
+A filter is checked when it is made (``JobFilter.check``) and becomes a statement built
+from constant conditions (``skipjack.sql.admin.SEARCH_CONDITIONS``) whose values are bound
 parameters."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class JobFilter:
     """Jobs matching every field given (None: any).
 
     Attributes:
-        state: one of :data:`skipjack.jobs.STATES`.
+        state: one of ``skipjack.jobs.STATES``.
         queue, task, idempotency_key: exact names.
         id: one job id (1..2^63-1).
         since, until: aware datetimes: the range ``since <= t < until`` of ``time``.

@@ -1,13 +1,13 @@
 """Helpers for an application's tests, against a real PostgreSQL (the embedded server by
 default).
 
-- :func:`drain`: run the jobs waiting in the database in the test process, with a real
+- ``drain``: run the jobs waiting in the database in the test process, with a real
   worker, until none is runnable; then assert on their outcome.
-- :func:`inline`: while active, an enqueue runs its handler at once in the caller's thread
+- ``inline``: while active, an enqueue runs its handler at once in the caller's thread
   (no database, no retry: its exception reaches the caller), as an eager mode.
-- :func:`enqueued` and :func:`assert_enqueued`: what was enqueued, read from the database.
-- :func:`app_fixture`: a pytest fixture giving each test the app on a fresh schema
-  (:func:`fresh_schema`), dropped afterwards.
+- ``enqueued`` and ``assert_enqueued``: what was enqueued, read from the database.
+- ``app_fixture``: a pytest fixture giving each test the app on a fresh schema
+  (``fresh_schema``), dropped afterwards.
 
 For example, in a ``conftest.py``::
 
@@ -62,7 +62,7 @@ def drain(app: App, queues: Iterable[str] | None = None, *, timeout: float = 60.
         app: the app whose tasks run.
         queues: the queues to run (default: every queue of the app's tasks, and
             ``default``).
-        timeout: seconds after which :class:`TimeoutError` is raised, once the worker
+        timeout: seconds after which ``TimeoutError`` is raised, once the worker
             stopped (running jobs get a second, then are released).
         concurrency: jobs run at once (1: one after the other, in enqueue order within a
             priority).
@@ -300,7 +300,7 @@ def _drop_schema(app: App, name: str) -> None:
 
 def app_fixture(app: App) -> Any:
     """A pytest fixture (function scope) that gives each test ``app`` on a fresh schema
-    (see :func:`fresh_schema`); assign it to a name in a ``conftest.py``, which becomes the
+    (see ``fresh_schema``); assign it to a name in a ``conftest.py``, which becomes the
     fixture's name.
 
     Raises:

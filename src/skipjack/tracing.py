@@ -12,7 +12,7 @@ globally configured propagator) is stored with each job as metadata. Each attemp
 is a ``process`` span (kind CONSUMER), a child of that context, so an enqueue and the runs
 it caused form one trace across processes, and linked to it as well. The run span is current
 while the handler runs (spans the handler makes are its children); an exception the handler
-raised is recorded on it and sets its status to ERROR (a :class:`~skipjack.Snooze` does not).
+raised is recorded on it and sets its status to ERROR (a ``skipjack.Snooze`` does not).
 
 Attributes follow OpenTelemetry's semantic conventions for messaging where they fit:
 ``messaging.system`` ("skipjack"), ``messaging.operation.type`` ("send", "process"),
@@ -43,7 +43,7 @@ SYSTEM = "skipjack"
 
 
 class TracingHook(Hook):
-    """Spans for enqueues and attempts (see :mod:`skipjack.tracing`).
+    """Spans for enqueues and attempts (see ``skipjack.tracing``).
 
     Args:
         tracer_provider: the OpenTelemetry ``TracerProvider`` to use (default: the global

@@ -1,7 +1,7 @@
 """SQLAlchemy 2 (extra ``skipjack[sqlalchemy]``; the ``postgresql+psycopg`` driver).
 
 Enqueue in a session's transaction by passing it as ``conn``: ``Session``, ``Connection``,
-``AsyncSession`` and ``AsyncConnection`` are accepted (see :mod:`skipjack.connections`)::
+``AsyncSession`` and ``AsyncConnection`` are accepted (see ``skipjack.connections``)::
 
     with Session(engine) as session, session.begin():
         session.add(Order(id=7))
@@ -10,7 +10,7 @@ Enqueue in a session's transaction by passing it as ``conn``: ``Session``, ``Con
 ORM writes of a ``transaction="complete"`` handler commit with its fenced completion, exactly
 once, when the app takes those transactions from the engine (for ``async def`` handlers:
 ``complete_transaction_async=async_job_transactions(async_engine)`` and
-:func:`async_session`)::
+``async_session``)::
 
     app = skipjack.App(dsn, complete_transaction=job_transactions(engine))
 
@@ -44,9 +44,9 @@ _async_connection: contextvars.ContextVar[AsyncConnection] = contextvars.Context
 
 
 def job_transactions(engine: Engine) -> TransactionSource:
-    """A ``complete_transaction`` for :class:`skipjack.App`: each sync
+    """A ``complete_transaction`` for ``skipjack.App``: each sync
     ``transaction="complete"`` handler runs in a transaction of a connection from ``engine``'s
-    pool, which :func:`session` joins.
+    pool, which ``session`` joins.
 
     Args:
         engine: a sync engine on the ``postgresql+psycopg`` driver, to the app's database.
@@ -69,7 +69,7 @@ def job_transactions(engine: Engine) -> TransactionSource:
 
 def session(**kwargs: Any) -> Session:
     """A new ``Session`` in the running job's transaction (a ``transaction="complete"``
-    handler of an app built with :func:`job_transactions`). Its ``commit()`` releases a
+    handler of an app built with ``job_transactions``). Its ``commit()`` releases a
     savepoint and its ``rollback()`` rolls back to it: the job's transaction itself commits
     with the fenced completion, or rolls back if the handler raises or the completion is
     stale. Close it (``with session() as s:``) before the handler returns.
@@ -89,9 +89,9 @@ def session(**kwargs: Any) -> Session:
 
 
 def async_job_transactions(engine: AsyncEngine) -> AsyncTransactionSource:
-    """A ``complete_transaction_async`` for :class:`skipjack.App`: each ``async def``
+    """A ``complete_transaction_async`` for ``skipjack.App``: each ``async def``
     ``transaction="complete"`` handler runs in a transaction of a connection from
-    ``engine``'s pool, which :func:`async_session` joins.
+    ``engine``'s pool, which ``async_session`` joins.
 
     Args:
         engine: an async engine on the ``postgresql+psycopg`` driver, to the app's database.
@@ -110,8 +110,8 @@ def async_job_transactions(engine: AsyncEngine) -> AsyncTransactionSource:
 
 
 def async_session(**kwargs: Any) -> AsyncSession:
-    """:func:`session` for ``async def`` handlers of an app built with
-    :func:`async_job_transactions`: an ``AsyncSession`` in the job's transaction.
+    """``session`` for ``async def`` handlers of an app built with
+    ``async_job_transactions``: an ``AsyncSession`` in the job's transaction.
 
     Raises:
         LookupError: not in such a handler.

@@ -37,7 +37,7 @@ log = logging.getLogger("skipjack.worker")
 @asynccontextmanager
 async def running_worker(app: App, queues: Sequence[str] = ("default",), *,
                          migrate: bool = False, **options: Any) -> AsyncIterator[Worker]:
-    """Run a :class:`skipjack.Worker` of ``app`` on the running event loop for the block; at
+    """Run a ``skipjack.Worker`` of ``app`` on the running event loop for the block; at
     its end, stop it gracefully (running jobs get ``shutdown_grace`` seconds, the rest are
     released to other workers).
 
@@ -45,7 +45,7 @@ async def running_worker(app: App, queues: Sequence[str] = ("default",), *,
         app: the app whose tasks run.
         queues: the queues to serve.
         migrate: migrate the schema first (else a schema that is not migrated raises).
-        options: further :class:`skipjack.Worker` settings (concurrency, lease, ...).
+        options: further ``skipjack.Worker`` settings (concurrency, lease, ...).
 
     Yields:
         The worker (its ``stats`` and ``status()`` can back a health endpoint).
@@ -77,7 +77,7 @@ def _report_failure(task: asyncio.Task[None]) -> None:
 def lifespan(app: App, queues: Sequence[str] = ("default",), **options: Any
              ) -> Callable[[Any], AbstractAsyncContextManager[None]]:
     """A lifespan for ``Starlette(lifespan=...)`` or ``FastAPI(lifespan=...)`` that runs a
-    worker of ``app`` (see :func:`running_worker` for the arguments)."""
+    worker of ``app`` (see ``running_worker`` for the arguments)."""
 
     @asynccontextmanager
     async def run(_server_app: Any) -> AsyncIterator[None]:

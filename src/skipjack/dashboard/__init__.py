@@ -1,8 +1,8 @@
 """skipjack's web dashboard: an ASGI application to see and steer the queue (extra
 ``skipjack[dashboard]``: Starlette, Jinja2, uvicorn).
 
-``skipjack dashboard [MODULE:APP]`` serves it (see :func:`serve`); an application mounts
-:func:`create_app`'s result in its own Starlette, FastAPI or Django ASGI application
+``skipjack dashboard [MODULE:APP]`` serves it (see ``serve``); an application mounts
+``create_app``'s result in its own Starlette, FastAPI or Django ASGI application
 (docs/dashboard.md shows each). Pages: overview, jobs (filters, keyset pagination, job
 detail), queues, cron, workers, and enqueue by hand; actions: retry, cancel, discard (a
 selection or everything matching a filter), pause and resume, queue limits, run a cron
@@ -40,7 +40,7 @@ def create_app(app: App, *, read_only: bool = False, credentials: Credentials | 
         credentials: required of every request (None: none; then serve it only on a
             loopback address, or behind the host application's own authentication).
         allowed_hosts: the only host names a request's ``Host`` header may give (None: any);
-            :func:`serve` sets the loopback names when it serves without credentials.
+            ``serve`` sets the loopback names when it serves without credentials.
         secret: the key of the CSRF tokens (random per process when None; give one shared
             by every process when several serve the same dashboard behind a balancer).
         title: the name in the page titles.
@@ -76,13 +76,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(app: App, sock: socket.socket, *, read_only: bool = False,
           credentials: Credentials | None = None, log_level: str = "warning") -> None:
-    """Serve the dashboard with uvicorn on ``sock`` (from :func:`listen`) until SIGINT or
+    """Serve the dashboard with uvicorn on ``sock`` (from ``listen``) until SIGINT or
     SIGTERM.
 
     Args:
         sock: the listening socket; anything but a loopback address needs ``credentials``.
-        read_only: see :func:`create_app`.
-        credentials: see :class:`Credentials` (:meth:`Credentials.from_env` reads them from
+        read_only: see ``create_app``.
+        credentials: see ``Credentials`` (``Credentials.from_env`` reads them from
             the environment).
         log_level: uvicorn's log level.
 

@@ -1,6 +1,6 @@
 """The overview's charts, drawn on the server as SVG shapes (no script, no chart library):
 finished jobs per minute by final state as stacked bars, and the start latency (mean and
-maximum per bucket) as lines, from the rows of :meth:`skipjack.App.throughput`."""
+maximum per bucket) as lines, from the rows of ``skipjack.App.throughput``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Reading the dashboard's query strings and forms into checked values: every field is
-parsed here, and a bad one becomes a :class:`ValidationError` naming it, before anything
+parsed here, and a bad one becomes a ``ValidationError`` naming it, before anything
 reads or writes the queue."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def instant(value: str | None, name: str) -> datetime | None:
 
 
 def job_filter(values: Mapping[str, Any]) -> JobFilter:
-    """The jobs filter of a query string or form (fields :data:`FILTER_FIELDS`).
+    """The jobs filter of a query string or form (fields ``FILTER_FIELDS``).
 
     Raises:
         ValidationError: a field out of range, named as the page names it.
@@ -91,7 +91,7 @@ def job_filter(values: Mapping[str, Any]) -> JobFilter:
 
 
 def filter_fields(where: JobFilter) -> dict[str, str]:
-    """The query-string fields of a filter (those given), the inverse of :func:`job_filter`."""
+    """The query-string fields of a filter (those given), the inverse of ``job_filter``."""
     fields = {"state": where.state, "queue": where.queue, "task": where.task,
               "key": where.idempotency_key, "id": None if where.id is None else str(where.id),
               "since": None if where.since is None else where.since.isoformat(),
@@ -138,7 +138,7 @@ def json_object(value: str | None, name: str) -> dict[str, Any]:
     """A JSON object (``{}`` when blank), as a job's keyword arguments.
 
     Raises:
-        ValidationError: not JSON, not an object, or longer than :data:`ARGS_TEXT_MAX`.
+        ValidationError: not JSON, not an object, or longer than ``ARGS_TEXT_MAX``.
     """
     if value is None:
         return {}

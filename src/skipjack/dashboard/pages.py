@@ -1,9 +1,9 @@
-"""The dashboard's pages and actions as Starlette routes (see :func:`create_app`).
+"""The dashboard's pages and actions as Starlette routes (see ``create_app``).
 
-Every read goes through :class:`skipjack.App`'s methods on its connection pool, in a worker
+Every read goes through ``skipjack.App``'s methods on its connection pool, in a worker
 thread (psycopg's sync API); every page is rendered by Jinja2 with autoescaping, so whatever
 users supplied (args, results, errors, task, queue and worker names) is text on the page.
-Each state change is a POST carrying the CSRF token (:mod:`.security`), refused when the
+Each state change is a POST carrying the CSRF token (``.security``), refused when the
 dashboard is read-only, and answered with a page saying what it did.
 """
 
@@ -91,7 +91,7 @@ def _templates() -> Jinja2Templates:
 
 class Pages:
     """The handlers of one dashboard, bound to its app and settings (see
-    :func:`create_app`)."""
+    ``create_app``)."""
 
     def __init__(self, app: App, *, read_only: bool, title: str) -> None:
         self.app = app

@@ -1,18 +1,18 @@
 """Who may use the dashboard, and what every response carries to protect its pages.
 
-- :class:`Credentials`: a bearer token and/or a user and password (HTTP basic auth), read from
+- ``Credentials``: a bearer token and/or a user and password (HTTP basic auth), read from
   ``$SKIPJACK_DASHBOARD_TOKEN``, ``$SKIPJACK_DASHBOARD_USER`` and
   ``$SKIPJACK_DASHBOARD_PASSWORD``. With a token, a browser signs in with any user name and
   the token as password.
-- :class:`Guard`, an ASGI middleware: refuses a request without valid credentials (when there
+- ``Guard``, an ASGI middleware: refuses a request without valid credentials (when there
   are any) or, where told to, one whose ``Host`` header names another host than the loopback
   one it serves (a page of another site reaching ``127.0.0.1`` through a DNS name it controls:
   "DNS rebinding"); sets the CSRF cookie; adds a strict Content-Security-Policy (scripts and
   styles only from the dashboard's own files, no inline ones) and the other security headers.
-- CSRF: every form carries :func:`csrf_token`, an HMAC of the per-browser cookie under a
+- CSRF: every form carries ``csrf_token``, an HMAC of the per-browser cookie under a
   per-process secret, which is checked on every POST (so neither another site
   nor one that can set cookies on this host can forge it), together with the browser's
-  ``Sec-Fetch-Site`` and ``Origin`` headers when it sends them (:func:`csrf_refusal`).
+  ``Sec-Fetch-Site`` and ``Origin`` headers when it sends them (``csrf_refusal``).
 """
 
 from __future__ import annotations

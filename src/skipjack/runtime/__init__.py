@@ -1,2 +1,2 @@
 """The worker process's parts: supervisor, producer, executor, claim-mode runners, capacity,
-completer, heartbeat, listener, maintenance and event loop (see :mod:`.worker`)."""
+completer, heartbeat, listener, maintenance and event loop (see ``.worker``)."""

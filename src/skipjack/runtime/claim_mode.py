@@ -167,7 +167,7 @@ class ClaimModeRunners:
         None) when the queue had no job.
 
         A claim statement the database refuses skips its job for a while (see
-        :mod:`skipjack.runtime.skips`) and raises :class:`_Skipped`. A transaction that
+        ``skipjack.runtime.skips``) and raises ``_Skipped``. A transaction that
         fails after its handler ran (its outcome or its commit refused: a deferred
         constraint, a trigger) is rolled back, claim and all: the failed attempt is then
         counted on its own, so the job cannot run again and again without using attempts.

@@ -138,9 +138,9 @@ class Completer:
                                      list[Outcome]]:
         """Write each outcome of a refused batch alone, so that one the database refuses
         holds back no other. A refused outcome is kept for the next rounds: written as it is
-        up to :data:`TRIES_AS_IS` times (the refusal may pass), then without its result and
+        up to ``TRIES_AS_IS`` times (the refusal may pass), then without its result and
         with its delay capped at an hour, its error kept and a note of the refusal added
-        (:func:`_safe`), then as a discard with only the note; refused still, it is given up
+        (``_safe``), then as a discard with only the note; refused still, it is given up
         (its lease expires and the rescuer returns the job). A lock or statement timeout
         does not count as a refusal.
 

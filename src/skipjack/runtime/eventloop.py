@@ -4,13 +4,13 @@ On Linux asyncio waits for I/O and timers with epoll, whose timeout is a whole n
 milliseconds: CPython rounds the wait up to the next millisecond, so a timer due in 1.2 ms fires
 after 2 ms. In a busy worker, timers fall due at scattered moments and a handler's
 ``await asyncio.sleep(0.002)`` lasted 2.65-2.7 ms on average (W4 of ``skipjack bench``, see
-docs/performance.md; 2.14 ms with this selector). :class:`PreciseEpollSelector` waits with
+docs/performance.md; 2.14 ms with this selector). ``PreciseEpollSelector`` waits with
 select(2) on the epoll descriptor itself, whose timeout is in microseconds (the descriptor
 becomes readable when any registered one has events), then collects the events with a
 zero-timeout epoll wait: one extra system call per wait that has a timeout.
 
 Linux may also end a timed wait up to the thread's timer slack late (50 us by default, to
-batch wake-ups); :func:`new_event_loop` lowers it to 1 us for the calling thread and the
+batch wake-ups); ``new_event_loop`` lowers it to 1 us for the calling thread and the
 threads it starts (the handlers' pool): with it W4 went from about 3,650 to 3,740 jobs/s.
 """
 
@@ -44,7 +44,7 @@ if hasattr(selectors, "EpollSelector"):
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A new event loop for a worker: asyncio's selector loop with
-    :class:`PreciseEpollSelector` on Linux (and the calling thread's timer slack lowered to
+    ``PreciseEpollSelector`` on Linux (and the calling thread's timer slack lowered to
     1 us), else asyncio's default loop."""
     if sys.platform == "linux":
         _lower_timer_slack()

@@ -4,12 +4,12 @@ as an asyncio task, and hands its outcome to the completer.
 ``async def`` handlers run on the worker's event loop, sync ones in a thread pool of
 ``concurrency`` threads. A task's ``timeout`` bounds each attempt. A job taken from its handler
 (lease lost, cancellation requested, timeout, shutdown) has its context's ``cancelled`` set,
-and an async handler is cancelled outright; :func:`skipjack.outcome.decide` then says what is
+and an async handler is cancelled outright; ``skipjack.outcome.decide`` then says what is
 recorded.
 
 ``transaction="complete"``: the executor opens a transaction, exposes its connection as
 ``current_job().conn``, runs the handler, then writes the fenced completion in the same
-transaction and commits (:func:`run_complete`, :func:`run_complete_async`). If the completion
+transaction and commits (``run_complete``, ``run_complete_async``). If the completion
 matches no row (the job was rescued or re-claimed meanwhile), everything rolls back: the
 handler's rows never become visible. So an effect table keyed by job id never sees a
 duplicate, whatever workers crash or stall. If the handler raises, its writes roll back and
@@ -73,8 +73,8 @@ class Executor:
             for a stuck handler thread that returned).
         unknown_task_grace: seconds after its enqueue during which a job of a task this
             worker does not know is released for another worker (see
-            :func:`skipjack.outcome.decide`).
-        transactions: the app's ``complete_transaction`` (see :class:`skipjack.App`): where
+            ``skipjack.outcome.decide``).
+        transactions: the app's ``complete_transaction`` (see ``skipjack.App``): where
             sync ``transaction="complete"`` handlers get their transaction; None: the
             executor's own pool.
         async_transactions: the app's ``complete_transaction_async``: the same for async
@@ -290,7 +290,7 @@ class Executor:
                         "per task)", job.id, job.task)
 
     async def _call(self, running: Running, task: Task, args: dict[str, Any]) -> Any:
-        """Run the handler within the task's timeout (see :meth:`_call_now`).
+        """Run the handler within the task's timeout (see ``_call_now``).
 
         Raises:
             ArgumentsError: the args do not fit the handler's signature (it is not called).
@@ -393,12 +393,12 @@ class Executor:
 
 def _no_idle_timeout(conn: psycopg.Connection[Any]) -> None:
     """A new connection of the handlers' pool lifts the role's idle transaction timeout
-    (see ``LIFT_IDLE_TIMEOUT`` in :mod:`skipjack.sql.claim`)."""
+    (see ``LIFT_IDLE_TIMEOUT`` in ``skipjack.sql.claim``)."""
     conn.execute(LIFT_IDLE_TIMEOUT)
 
 
 async def _no_idle_timeout_async(conn: psycopg.AsyncConnection[Any]) -> None:
-    """:func:`_no_idle_timeout` for the async pool."""
+    """``_no_idle_timeout`` for the async pool."""
     await conn.execute(LIFT_IDLE_TIMEOUT)
 
 
@@ -442,7 +442,7 @@ def transaction_now(conn: psycopg.Connection[Any], q: bytes) -> datetime | None:
 
 async def transaction_now_async(conn: psycopg.AsyncConnection[Any],
                                  q: bytes) -> datetime | None:
-    """:func:`transaction_now` on an async connection."""
+    """``transaction_now`` on an async connection."""
     if conn.info.transaction_status != TransactionStatus.INTRANS:
         return None
     row = await (await conn.execute(q)).fetchone()
@@ -491,7 +491,7 @@ def run_complete(conn: psycopg.Connection[Any], record: bytes, ctx: JobContext,
 async def run_complete_async(conn: psycopg.AsyncConnection[Any], record: bytes,
                              ctx: JobContext, fn: Callable[..., Any], args: dict[str, Any],
                              finishing: Callable[[], None], now_query: bytes) -> bool:
-    """:func:`run_complete` for an async handler on an async connection."""
+    """``run_complete`` for an async handler on an async connection."""
     applied = False
     async with conn.transaction():
         started = await transaction_now_async(conn, now_query)

@@ -35,7 +35,7 @@ PROBE_TIMEOUT = 5.0  # seconds
 
 
 class HealthServer(ThreadingHTTPServer):
-    """Serves ``/livez`` and ``/readyz`` for ``worker`` (see :mod:`skipjack.runtime.health`).
+    """Serves ``/livez`` and ``/readyz`` for ``worker`` (see ``skipjack.runtime.health``).
 
     Args:
         worker: the worker to report on.
@@ -152,7 +152,7 @@ class _Handler(BaseHTTPRequestHandler):
 def serve_health(worker: Worker, port: int, host: str = "0.0.0.0",
                  timeout: float = PROBE_TIMEOUT) -> HealthServer:
     """Serve ``/livez`` and ``/readyz`` for ``worker`` on ``host:port`` from a daemon
-    thread (see :class:`HealthServer`); returns the running server.
+    thread (see ``HealthServer``); returns the running server.
 
     Raises:
         OSError: the port cannot be bound.

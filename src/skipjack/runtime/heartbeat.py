@@ -49,7 +49,7 @@ class Leases:
     def add(self, job_id: int, lease_version: int, lease: float,
             uncommitted: bool = False) -> None:
         """Hold a claimed job (its lease of ``lease`` seconds starts now); ``uncommitted``
-        for a claim-mode job (see :class:`Lease`)."""
+        for a claim-mode job (see ``Lease``)."""
         with self.lock:
             self.by_id[job_id] = Lease(job_id, lease_version, lease, time.monotonic(),
                                        uncommitted=uncommitted)

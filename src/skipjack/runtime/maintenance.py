@@ -2,13 +2,13 @@
 
 - the stager makes due scheduled jobs available and wakes their queues;
 - the rescuer returns jobs whose lease expired to their queue, or to the dead letter;
-- the cron scheduler enqueues each due slot once (:func:`schedule_due`);
+- the cron scheduler enqueues each due slot once (``schedule_due``);
 - the pruner deletes finished jobs past their retention;
 - the throughput rollup counts finished jobs per minute for the dashboard's charts
-  (:func:`skipjack.admin.rollup`);
-- the notification queue's watch (:class:`NotifyQueueWatch`) warns while PostgreSQL's
+  (``skipjack.admin.rollup``);
+- the notification queue's watch (``NotifyQueueWatch``) warns while PostgreSQL's
   notification queue is so full that wake-ups are skipped, naming the likely cause;
-- the registry (:class:`Registry`) keeps this worker's row in the live worker registry fresh
+- the registry (``Registry``) keeps this worker's row in the live worker registry fresh
   and removes the rows of workers that are gone (only for people: nothing reads it to
   recover jobs).
 
@@ -65,7 +65,7 @@ def rescue(conn: psycopg.Connection[Any], queries: Queries, limit: int = BATCH,
 
     With ``skipped`` (the maintenance thread's), a batch the database refuses is rescued job
     by job, and the jobs it fails on are skipped for a while (see
-    :mod:`skipjack.runtime.skips`), so that one job a trigger refuses holds up no other.
+    ``skipjack.runtime.skips``), so that one job a trigger refuses holds up no other.
 
     Returns:
         (job id, new state) for each job moved: ``available``, or ``discarded`` when that was
@@ -115,7 +115,7 @@ def stage(conn: psycopg.Connection[Any], queries: Queries, schema: str,
 
     With ``skipped`` (the maintenance thread's), a staging the database refuses is tried job
     by job in a transaction rolled back afterwards; the jobs it fails on are skipped for a
-    while (see :mod:`skipjack.runtime.skips`) and the rest are staged.
+    while (see ``skipjack.runtime.skips``) and the rest are staged.
 
     Raises:
         psycopg.Error: the database could not be reached or refused the statement (without
@@ -159,7 +159,7 @@ def schedule_due(app: App, conn: psycopg.Connection[Any], now: datetime | None =
 
     Each due slot is claimed (a ``cron_slots`` row) in the same transaction as its job, so
     any number of schedulers enqueue it at most once; slots the misfire policy skips are
-    recorded as missed (see :mod:`skipjack.cron`).
+    recorded as missed (see ``skipjack.cron``).
 
     Args:
         app: the application with its cron entries.
@@ -293,7 +293,7 @@ class Registry:
     """This worker's row in the live worker registry (the ``workers`` table).
 
     Each run writes the row (created on the first), good for ``ttl`` seconds, and removes
-    rows whose time is up: workers that stopped without saying so. :meth:`unregister`
+    rows whose time is up: workers that stopped without saying so. ``unregister``
     removes the row at a clean stop.
 
     Args:
@@ -361,7 +361,7 @@ class Maintenance(threading.Thread):
         db: the app's database.
         stage_interval, rescue_interval: seconds.
         retention: seconds to keep finished jobs (None: this worker does not prune).
-        discarded_retention: seconds to keep discarded jobs (see :func:`prune`).
+        discarded_retention: seconds to keep discarded jobs (see ``prune``).
         on_staged: called (from this thread) with each queue that got runnable jobs.
         cron: the cron scheduler's pass (run every second), or None when the app has no
             cron entries.

@@ -3,14 +3,14 @@
 It claims up to ``batch_size`` jobs from ONE queue per statement, round-robin over the
 worker's queues, whenever a queue may have work (a notification, the poll timer, a limit that
 may have lifted, or a previous claim that came back full) and there is room (see
-:meth:`skipjack.runtime.slots.Slots.room`). Each due queue gets its share of the room, so a
+``skipjack.runtime.slots.Slots.room``). Each due queue gets its share of the room, so a
 deep queue cannot fill the prefetch buffer ahead of a shallow one (FC-20 in
 ``tests/CASES.md``). Every ``fairness_every``-th claim that takes jobs from a queue takes the
 oldest runnable ones whatever their priority. Queues with a concurrency or rate limit are
 claimed under the queue's row lock (``LOCK_QUEUE`` then ``CLAIM_LIMITED``); which queues are
 limited is re-read at every poll.
 
-Its connection claims with ``synchronous_commit = off`` (see :mod:`skipjack.sql`), and is
+Its connection claims with ``synchronous_commit = off`` (see ``skipjack.sql``), and is
 replaced after a lost connection, with capped backoff; every queue is rescanned after that.
 A claim statement the database refuses (a trigger of the application's raising for one job,
 a counter that would overflow) is retried job by job in a transaction rolled back afterwards,
@@ -47,7 +47,7 @@ class Producer:
         db: the app's database.
         queues: the queues to serve, in round-robin order.
         slots: the shared capacity state.
-        executor: takes the claimed jobs (:meth:`Executor.buffer`) and starts them.
+        executor: takes the claimed jobs (``Executor.buffer``) and starts them.
         claim_mode: the claim-mode runners, started here for queues that may have such jobs.
         completer: its backlog of unwritten outcomes pauses claims.
         stopping: set when the worker shuts down.
@@ -189,7 +189,7 @@ class Producer:
                             exc: psycopg.Error) -> bool:
         """After a claim statement the database refused: find the jobs the claim fails on
         (each tried alone, in a transaction rolled back afterwards) and skip them for a
-        while (see :mod:`skipjack.runtime.skips`), so the rest of the queue runs. Returns
+        while (see ``skipjack.runtime.skips``), so the rest of the queue runs. Returns
         whether any was found; if not, the failure is not a job's and the caller backs off
         as after a lost connection."""
         q = self._db.queries

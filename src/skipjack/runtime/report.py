@@ -1,13 +1,13 @@
 """The reporter: what the worker says about each attempt once its outcome is known.
 
 For every attempt it updates the worker's counters, writes one log line on the
-``skipjack.jobs`` logger, and hands an :class:`~skipjack.hooks.Attempt` to the app's hooks
+``skipjack.jobs`` logger, and hands an ``skipjack.hooks.Attempt`` to the app's hooks
 (which the Prometheus metrics and the OpenTelemetry spans are built on).
 
 Log lines carry their facts as structured fields (``logging`` extras: ``job_id``, ``task``,
 ``queue``, ``attempt``, ``max_attempts``, ``outcome``, ``duration``, and for failures
 ``error_type``, ``error``, ``retry_in`` and ``retry_at``), which
-:class:`skipjack.logs.JsonFormatter` prints. Levels: a success, cancellation, snooze or
+``skipjack.logs.JsonFormatter`` prints. Levels: a success, cancellation, snooze or
 release is INFO; a failure that will be retried, and a stale write, WARNING; a job sent to
 the dead letter, ERROR. A busy worker can turn the success lines down with the level of
 ``skipjack.jobs`` alone (``--log-level skipjack.jobs=WARNING``).

@@ -1,7 +1,7 @@
 """Jobs a worker leaves alone for a while because claiming, staging or rescuing them fails
 (FC-35 in ``tests/CASES.md``): a trigger of the application's that raises for one job, a value
 that would overflow. Skipping them lets the rest of the queue run; each is tried again after
-:data:`SKIP_FIRST` seconds, then twice as long each time it fails, at most :data:`SKIP_MAX`.
+``SKIP_FIRST`` seconds, then twice as long each time it fails, at most ``SKIP_MAX``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The worker's capacity: which jobs run, which wait for a slot, and how many more to claim.
 
-One :class:`Slots` is shared by the producer (which claims while there is room), the executor
+One ``Slots`` is shared by the producer (which claims while there is room), the executor
 (which starts buffered jobs in free slots) and the claim-mode runners (each holds a slot for
 its open transaction). They all use it from the worker's event loop, so it needs no lock.
 """
@@ -32,11 +32,11 @@ class Slots:
 
     Args:
         concurrency: the most jobs running at once (slots).
-        prefetch: jobs claimed ahead of free slots, waiting in :attr:`ready`.
+        prefetch: jobs claimed ahead of free slots, waiting in ``ready``.
 
-    A slot is in use by a running job (:attr:`running`), by a claim-mode runner
-    (:attr:`claim_mode`), or by a handler thread that the worker stopped waiting for but that
-    has not returned yet (:attr:`stuck_threads`): claiming for it would only make a job wait
+    A slot is in use by a running job (``running``), by a claim-mode runner
+    (``claim_mode``), or by a handler thread that the worker stopped waiting for but that
+    has not returned yet (``stuck_threads``): claiming for it would only make a job wait
     for a thread.
     """
 
@@ -66,7 +66,7 @@ class Slots:
         """How many more jobs to claim now, with ``unwritten`` outcomes waiting to be written:
         the free slots plus the prefetch buffer's free places; but nothing while the buffer
         is over half full (so claims come in batches rather than one job per finished job),
-        nor while more outcomes wait than :attr:`max_unwritten` (the database is not taking
+        nor while more outcomes wait than ``max_unwritten`` (the database is not taking
         them: a row lock held elsewhere, a slow disk)."""
         if unwritten >= self.max_unwritten:
             if not self.claims_paused:

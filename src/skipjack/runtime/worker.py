@@ -3,18 +3,18 @@
 Parts, each with one job and (where it talks to the database) its own connection, so that
 handlers that exhaust the application's pool can never starve lease renewal or completion:
 
-- :class:`~skipjack.runtime.producer.Producer` (asyncio task): the claim loop;
-- :class:`~skipjack.runtime.executor.Executor`: runs each claimed job (asyncio task per job,
+- ``skipjack.runtime.producer.Producer`` (asyncio task): the claim loop;
+- ``skipjack.runtime.executor.Executor``: runs each claimed job (asyncio task per job,
   sync handlers in a thread pool), ``transaction`` "none" and "complete";
-- :class:`~skipjack.runtime.claim_mode.ClaimModeRunners`: ``transaction="claim"`` jobs;
-- :class:`~skipjack.runtime.slots.Slots`: the capacity they share;
-- :class:`~skipjack.runtime.completer.Completer` (asyncio task): writes outcomes in fenced
+- ``skipjack.runtime.claim_mode.ClaimModeRunners``: ``transaction="claim"`` jobs;
+- ``skipjack.runtime.slots.Slots``: the capacity they share;
+- ``skipjack.runtime.completer.Completer`` (asyncio task): writes outcomes in fenced
   batches;
-- :func:`~skipjack.runtime.listener.listen` (asyncio task): LISTEN, so notifications wake the
+- ``skipjack.runtime.listener.listen`` (asyncio task): LISTEN, so notifications wake the
   producer;
-- :class:`~skipjack.runtime.heartbeat.HeartbeatThread`: renews leases every ``heartbeat``
+- ``skipjack.runtime.heartbeat.HeartbeatThread``: renews leases every ``heartbeat``
   seconds, hears cancellation requests;
-- :class:`~skipjack.runtime.maintenance.Maintenance` (thread): stager, rescuer, cron, pruner,
+- ``skipjack.runtime.maintenance.Maintenance`` (thread): stager, rescuer, cron, pruner,
   the notification queue's watch.
 """
 
@@ -70,7 +70,7 @@ MIN_INTERVAL = 0.01
 
 @dataclass
 class Worker:
-    """Runs jobs from some queues of an :class:`~skipjack.App`.
+    """Runs jobs from some queues of an ``skipjack.App``.
 
     Args:
         app: the application (task registry and database).
@@ -89,7 +89,7 @@ class Worker:
         stage_interval: seconds between stager runs, which make due scheduled jobs
             (delayed, retried) available (default 1).
         retention: seconds to keep succeeded and cancelled jobs; this worker prunes older
-            ones (default :data:`skipjack.jobs.DEFAULT_RETENTION`, 7 days; None: it prunes
+            ones (default ``skipjack.jobs.DEFAULT_RETENTION``, 7 days; None: it prunes
             nothing, and the table keeps every job).
         discarded_retention: seconds to keep discarded jobs (default 10 x retention).
         prefetch: jobs claimed ahead of free slots (default ``concurrency``, at most 100), so
@@ -273,7 +273,7 @@ class Worker:
         Unlike ``asyncio.run``, it does not wait for handlers that ignored cancellation (their
         jobs were already released); the interpreter still waits for such sync handlers'
         threads at exit (a warning says so), unless the process ends with ``os._exit``. Its
-        event loop's timers fire on time (see :mod:`skipjack.runtime.eventloop`)."""
+        event loop's timers fire on time (see ``skipjack.runtime.eventloop``)."""
         loop = eventloop.new_event_loop()
         try:
             loop.run_until_complete(self._run_with_signals())
@@ -309,7 +309,7 @@ class Worker:
         self._producer.wakeup.set()
 
     async def run_async(self) -> None:
-        """Run on the current event loop until :meth:`stop` is called.
+        """Run on the current event loop until ``stop`` is called.
 
         Database errors never end it: every component reconnects with capped backoff.
 
@@ -378,7 +378,7 @@ class Worker:
 
     async def _stop_producer(self, producer: asyncio.Task[None]) -> None:
         """Let the producer end by itself, so that a claim in flight when the stop came
-        reaches the buffer (and is released by :meth:`_drain`) instead of committing on the
+        reaches the buffer (and is released by ``_drain``) instead of committing on the
         server unseen (its jobs would stay running until their leases expired, and run again
         with an attempt counted). It is cancelled only if it does not end within
         ``PRODUCER_STOP_TIMEOUT`` seconds (a connection attempt to an unreachable server)."""

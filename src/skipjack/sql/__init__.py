@@ -3,7 +3,7 @@
 The statements are templates in the modules of this package (``enqueue``, ``claim``,
 ``outcomes``, ``maintenance``, ``admin``, ``cron``, ``workers``, ``schema``), in which
 ``{schema}`` stands for the quoted schema name; values are always bound parameters
-(``%(name)s``), never interpolated. :class:`Queries` renders them for one schema, each on first
+(``%(name)s``), never interpolated. ``Queries`` renders them for one schema, each on first
 use, as UTF-8 bytes, so running a statement costs no re-rendering (psycopg then caches its
 parse of the text).
 
@@ -37,15 +37,15 @@ def render(template: str, schema: str, **literals: object) -> sql.Composed:
     Args:
         template: SQL text with ``{schema}`` (and optional ``{name}``) placeholders; literal
             braces written doubled.
-        schema: the schema name, quoted with :class:`psycopg.sql.Identifier`.
-        literals: further placeholders, each rendered with :class:`psycopg.sql.Literal`.
+        schema: the schema name, quoted with ``psycopg.sql.Identifier``.
+        literals: further placeholders, each rendered with ``psycopg.sql.Literal``.
     """
     values: dict[str, sql.Composable] = {k: sql.Literal(v) for k, v in literals.items()}
     return sql.SQL(template).format(schema=sql.Identifier(schema), **values)
 
 
 class Statement:
-    """One statement template as an attribute of :class:`Queries`: read on an instance, it is
+    """One statement template as an attribute of ``Queries``: read on an instance, it is
     the template rendered for that instance's schema (UTF-8 ``bytes``), computed once."""
 
     def __init__(self, template: str) -> None:
@@ -160,7 +160,7 @@ class Queries:
 
     def job_search(self, conditions: tuple[str, ...], time: str = "created", *,
                    ids_only: bool = False, ascending: bool = False) -> bytes:
-        """A job search (see :func:`skipjack.sql.admin.job_search`) rendered for this
+        """A job search (see ``skipjack.sql.admin.job_search``) rendered for this
         schema; each shape is rendered once."""
         key = (conditions, time, ids_only, ascending)
         text = self._searches.get(key)

@@ -216,13 +216,13 @@ _SEARCH_COLUMNS = """id, queue, task, state, attempt, max_attempts, priority, ru
 
 def job_search(conditions: tuple[str, ...], time: str, *, ids_only: bool = False,
                ascending: bool = False) -> str:
-    """The template of a job search with the named :data:`SEARCH_CONDITIONS` (in their fixed
+    """The template of a job search with the named ``SEARCH_CONDITIONS`` (in their fixed
     order; unknown names raise KeyError) and ``%(limit)s`` rows, ordered by id. Only
     constant text goes in: every value is a bound parameter.
 
     Args:
-        conditions: names from :data:`SEARCH_CONDITIONS`.
-        time: a key of :data:`TIME_COLUMNS` (the column the time range applies to).
+        conditions: names from ``SEARCH_CONDITIONS``.
+        time: a key of ``TIME_COLUMNS`` (the column the time range applies to).
         ids_only: select only ``id`` (for bulk actions).
         ascending: oldest first (with ``after``) instead of newest first.
     """

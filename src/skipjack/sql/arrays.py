@@ -16,6 +16,6 @@ def text_array(items: Iterable[str | None]) -> str:
 
 
 def number_array(items: Iterable[int | float | None]) -> str:
-    """A PostgreSQL array literal of finite numbers (None is NULL); see :func:`text_array`."""
+    """A PostgreSQL array literal of finite numbers (None is NULL); see ``text_array``."""
     return "{" + ",".join("NULL" if i is None else repr(float(i)) if isinstance(i, float)
                           else str(int(i)) for i in items) + "}"

@@ -4,16 +4,16 @@ A claim takes jobs from ONE queue per statement (an ordered scan of the partial 
 ``queue = ANY(...)`` would need a sort), marks them running, starts their lease (the job's own
 ``lease_seconds``, else the worker's; never shorter than ``min_lease``, the shortest lease the
 worker's heartbeat keeps alive), counts the attempt and raises the fencing token by a random
-step (see :mod:`skipjack.sql`). Args larger than ``inline_bytes`` (serialised) are not
+step (see ``skipjack.sql``). Args larger than ``inline_bytes`` (serialised) are not
 returned; the worker loads them with LOAD_ARGS just before the handler runs.
 
 ``claim_mode_tasks`` / ``claim_mode`` split the claims of tasks declared
 ``transaction="claim"`` (claimed and run in one open transaction, ``claim_mode`` true: only
 those tasks) from lease claims (``claim_mode`` false: every other task).
 
-Every variant is built by :func:`claim_jobs` from the jobs that :func:`candidates` selects
+Every variant is built by ``claim_jobs`` from the jobs that ``candidates`` selects
 (which jobs, in which order, how many); the claims of a queue with a concurrency or rate limit
-by :func:`claim_limited_jobs`.
+by ``claim_limited_jobs``.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ def candidates(*, queue_filter: str, order: str, limit: str) -> str:
 
     Args:
         queue_filter: a condition on the queue's settings (paused, limited) that must hold.
-        order: the ORDER BY list: :data:`PRIORITY_ORDER` or :data:`OLDEST_ORDER`.
+        order: the ORDER BY list: ``PRIORITY_ORDER`` or ``OLDEST_ORDER``.
         limit: the LIMIT expression.
 
     ``skip`` holds ids this worker leaves alone for a while because claiming them failed
-    (see :mod:`skipjack.runtime.producer`); usually none.
+    (see ``skipjack.runtime.producer``); usually none.
     """
     return """SELECT id FROM {schema}.jobs
          WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
@@ -46,7 +46,7 @@ def candidates(*, queue_filter: str, order: str, limit: str) -> str:
 
 
 def claim_jobs(jobs: str) -> str:
-    """The claim of the jobs that the subquery ``jobs`` selects (see :func:`candidates`)."""
+    """The claim of the jobs that the subquery ``jobs`` selects (see ``candidates``)."""
     return """
 UPDATE {schema}.jobs AS j
    SET state = 'running',
@@ -106,7 +106,7 @@ SELECT paused FROM {schema}.queues WHERE name = %(queue)s FOR UPDATE
 
 def claim_limited_jobs(order: str) -> str:
     """The claim from a limited queue (after LOCK_QUEUE), in ``order`` (see
-    :func:`candidates`): as many as its limits allow, counted into its rate window."""
+    ``candidates``): as many as its limits allow, counted into its rate window."""
     return ("""
 WITH q AS (
     SELECT q.*, q.window_start IS NULL
@@ -141,7 +141,7 @@ CLAIM_LIMITED_OLDEST = claim_limited_jobs(OLDEST_ORDER)
 
 # The producer's connection: claims need not wait for their WAL flush. A claim lost in a
 # crash only makes its job claimable again, and its token is not handed out again (see
-# :mod:`skipjack.sql`).
+# ``skipjack.sql``).
 NO_WAIT_FOR_FLUSH = "SET synchronous_commit = off"
 
 LIMITED_QUEUES = """
@@ -213,7 +213,7 @@ def claim_params(queue: str, limit: int, *, lease: float, worker: str,
         inline_bytes: args up to this size (bytes) come with the claim; larger ones are
             loaded later.
         claim_mode_tasks, claim_mode: see the module's docstring.
-        skip: ids not to claim (see :func:`candidates`).
+        skip: ids not to claim (see ``candidates``).
     """
     return {"queue": queue, "limit": limit, "lease": lease, "worker": worker,
             "min_lease": min_lease, "inline_bytes": inline_bytes,

@@ -2,7 +2,7 @@
 ids of idempotency keys already held.
 
 Each insert comes with and without the idempotency-key conflict clause, built by
-:func:`insert_jobs`.
+``insert_jobs``.
 """
 
 from __future__ import annotations

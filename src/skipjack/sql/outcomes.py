@@ -1,7 +1,7 @@
 """Fenced statements about a claimed job: its outcome, and the renewal of its lease.
 
 Both match rows on (id, lease_version, state = 'running'): a write whose fencing token is no
-longer current changes nothing (see :mod:`skipjack.sql`)."""
+longer current changes nothing (see ``skipjack.sql``)."""
 
 from __future__ import annotations
 

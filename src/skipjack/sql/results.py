@@ -1,4 +1,4 @@
-"""Statements behind :class:`skipjack.JobHandle` (waiting for a job's outcome) and a
+"""Statements behind ``skipjack.JobHandle`` (waiting for a job's outcome) and a
 handler's progress reports."""
 
 from __future__ import annotations

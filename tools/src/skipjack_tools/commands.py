@@ -30,7 +30,7 @@ def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
     """Deliver webhooks to a flaky local receiver and audit the outcome."""
     from .demo import explain, run_demo
 
-    console = Console(stderr=as_json)
+    console = Console(stderr=True)  # the progress bar and log lines; the summary: stdout
     # the summary counts every retry: per-job lines (hundreds of retries) would only scroll
     # through the progress bar; failures of the demo itself still show
     logging.getLogger("skipjack.jobs").setLevel(logging.ERROR)
@@ -42,7 +42,7 @@ def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
     if as_json:
         click.echo(json.dumps(summary))
     else:
-        console.print(explain(summary))
+        Console().print(explain(summary))
     sys.exit(1 if summary["lost"] else 0)
 
 

@@ -112,6 +112,7 @@ def run_demo(
         throughput_jobs_per_s and latency_ms (p50/p95/p99 of enqueue-to-start).
     """
     app = App(dsn, schema=schema)
+    logging.getLogger("skipjack.cli").info("database: %s", app.db.where())
     with app.connect() as conn:
         conn.execute(render(DROP_SCHEMA, app.schema))
     app.migrate()

@@ -18,7 +18,7 @@ Then declare tasks on the project's app, ``from skipjack.contrib.django import a
 An enqueue without ``conn`` joins Django's connection: inside ``transaction.atomic()`` the
 job commits or rolls back with it. ``transaction="complete"`` handlers run inside
 ``transaction.atomic()`` on Django's connection, so their ORM writes commit with the fenced
-completion, exactly once. :mod:`skipjack.contrib.django.tasks` is a backend for Django's
+completion, exactly once. ``skipjack.contrib.django.tasks`` is a backend for Django's
 own Tasks framework.
 """
 
@@ -33,7 +33,7 @@ __all__ = ["DjangoApp", "app"]
 
 
 def __getattr__(name: str) -> Any:
-    """``app``: the project's :class:`DjangoApp`, made from the settings on first use."""
+    """``app``: the project's ``DjangoApp``, made from the settings on first use."""
     if name == "app":
         from .application import get_app
         return get_app()

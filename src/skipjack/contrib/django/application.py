@@ -1,4 +1,4 @@
-"""The project's skipjack app, configured from Django's settings: :class:`DjangoApp`."""
+"""The project's skipjack app, configured from Django's settings: ``DjangoApp``."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def skipjack_settings() -> dict[str, Any]:
 
 def configured_schema() -> str:
     """The schema of the jobs: ``SKIPJACK["SCHEMA"]``, else ``$SKIPJACK_SCHEMA``, else
-    ``skipjack`` (as :class:`skipjack.App` resolves it)."""
+    ``skipjack`` (as ``skipjack.App`` resolves it)."""
     return (skipjack_settings().get("SCHEMA") or os.environ.get("SKIPJACK_SCHEMA")
             or "skipjack")
 
@@ -134,10 +134,10 @@ class _Tasks(dict[str, Task]):
 
 
 class DjangoApp(App):
-    """A :class:`skipjack.App` on a database of Django's ``DATABASES``, configured by
+    """A ``skipjack.App`` on a database of Django's ``DATABASES``, configured by
     ``settings.SKIPJACK``; the project's one is ``skipjack.contrib.django.app``.
 
-    Differences from :class:`skipjack.App`:
+    Differences from ``skipjack.App``:
 
     - an enqueue without ``conn`` runs on Django's connection of the alias, in this thread:
       inside ``transaction.atomic()`` it joins that transaction (and savepoint), else it
@@ -145,15 +145,15 @@ class DjangoApp(App):
     - sync ``transaction="complete"`` handlers run inside ``transaction.atomic()`` on the
       worker thread's Django connection, so their ORM writes commit with the completion;
     - handlers run with Django's connections managed as around a request;
-    - the tasks of Django's Tasks framework sent to :class:`.tasks.SkipjackBackend` run too.
+    - the tasks of Django's Tasks framework sent to ``.tasks.SkipjackBackend`` run too.
 
     Args:
         alias: the database alias (default ``SKIPJACK["DATABASE"]``, else ``"default"``).
-        kwargs: as for :class:`skipjack.App` (defaults from ``settings.SKIPJACK``).
+        kwargs: as for ``skipjack.App`` (defaults from ``settings.SKIPJACK``).
 
     Raises:
         ImproperlyConfigured: bad ``settings.SKIPJACK``.
-        ValidationError: a setting out of range (see :class:`skipjack.App`).
+        ValidationError: a setting out of range (see ``skipjack.App``).
     """
 
     def __init__(self, alias: str | None = None, **kwargs: Any) -> None:
@@ -192,7 +192,7 @@ class DjangoApp(App):
 
     async def enqueue_many_async(self, jobs: Iterable[JobSpec], *,
                                  conn: object | None = None) -> list[int]:
-        """:meth:`skipjack.App.enqueue_many_async`; without ``conn``, the sync enqueue on
+        """``skipjack.App.enqueue_many_async``; without ``conn``, the sync enqueue on
         Django's connection through ``sync_to_async`` (the thread Django's async ORM
         calls use)."""
         if conn is not None:
@@ -225,7 +225,7 @@ _app_lock = threading.Lock()
 
 
 def get_app() -> DjangoApp:
-    """The project's :class:`DjangoApp` (made on first use)."""
+    """The project's ``DjangoApp`` (made on first use)."""
     global _app
     with _app_lock:
         if _app is None:
@@ -242,6 +242,6 @@ def autodiscover() -> None:
 
 
 def register_backend_crons() -> None:
-    """Schedule the ``cron`` entries of every :class:`.tasks.SkipjackBackend` in ``TASKS``."""
+    """Schedule the ``cron`` entries of every ``.tasks.SkipjackBackend`` in ``TASKS``."""
     from .tasks import register_crons
     register_crons(get_app())

@@ -195,7 +195,7 @@ class SkipjackBackend(BaseTaskBackend):
         return self.result_of(dict(zip(names, row, strict=True)))
 
     def result_of(self, job: dict[str, Any]) -> TaskResult:
-        """A :class:`TaskResult` of a job's row (as :meth:`skipjack.App.get_job` reads it)."""
+        """A ``TaskResult`` of a job's row (as ``skipjack.App.get_job`` reads it)."""
         payload = job["args"] or {}
         run_after = payload.get("run_after")
         task = _django_task(job["task"]).using(
@@ -304,7 +304,7 @@ def runner_for(app: DjangoApp, django_task: DjangoTask) -> Task:
 
 
 def runner_for_path(app: DjangoApp, path: str) -> Task | None:
-    """:func:`runner_for` the Django task at ``path`` if it is one sent to a skipjack
+    """``runner_for`` the Django task at ``path`` if it is one sent to a skipjack
     backend, else None (a worker's lookup of a job's task name). Only modules already
     imported or inside an installed app are imported (a job's task name is data).
 
