@@ -103,7 +103,8 @@ def test_operator_walkthrough(server: Server, schema: str, dash_app: App, browse
             assert [job_state(dash_app, i) for i in mail] == ["available", "available",
                                                                "discarded"]
             assert {job_state(dash_app, i) for i in sms} == {"discarded"}
-            page.click("#back")
+            with page.expect_navigation():  # wait for the page, not just the click
+                page.click("#back")
             assert page.locator("#jobs-table tbody tr[data-id]").count() == 1
 
             # select all on the page (the dashboard's own script) and retry everything left
@@ -118,7 +119,8 @@ def test_operator_walkthrough(server: Server, schema: str, dash_app: App, browse
             page.click('tr[data-queue="mail"] button[value="pause"]')
             assert "paused" in page.locator("#message").inner_text()
             assert [(q["name"], q["paused"]) for q in dash_app.queues()] == [("mail", True)]
-            page.click("#back")
+            with page.expect_navigation():  # wait for the page, not just the click
+                page.click("#back")
             assert page.locator('tr[data-queue="mail"] .badge.paused').count() == 1
             page.screenshot(path=SHOTS / f"{shots}queues.png", full_page=True)
 
@@ -142,7 +144,8 @@ def test_operator_walkthrough(server: Server, schema: str, dash_app: App, browse
             page.fill('textarea[name="args"]', json.dumps({"to": "ops@example.com"}))
             page.click('#enqueue-form button[type="submit"]')
             assert "enqueued job" in page.locator("#message").inner_text()
-            page.click("#back")
+            with page.expect_navigation():  # wait for the page, not just the click
+                page.click("#back")
             assert json.loads(page.locator("#job-args").inner_text()) == {
                 "to": "ops@example.com"}
 
