@@ -66,7 +66,8 @@ class JobContext:
     cause: CancelCause | None = None
     conn: Any = None  # the job's transaction connection (tasks with transaction="complete")
     reported: str | None = None  # the last progress report, as JSON text
-    on_progress: Callable[[str], None] | None = field(default=None, repr=False)
+    # where a report goes: (job id, fencing token, JSON text), the worker's running set
+    on_progress: Callable[[int, int, str], None] | None = field(default=None, repr=False)
     _event: threading.Event | None = field(default=None, repr=False)
 
     def progress(self, value: Any) -> None:
@@ -97,7 +98,7 @@ class JobContext:
                                   "bytes as JSON, without NUL characters")
         self.reported = text
         if self.on_progress is not None:
-            self.on_progress(text)
+            self.on_progress(self.job.id, self.job.lease_version, text)
 
     @property
     def cancelled(self) -> threading.Event:

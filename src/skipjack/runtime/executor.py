@@ -178,7 +178,7 @@ class Executor:
     def _start(self, job: Job) -> None:
         task = self._tasks.get(job.task)
         ctx = JobContext(job)
-        ctx.on_progress = functools.partial(self._leases.report, job.id, job.lease_version)
+        ctx.on_progress = self._leases.report
         running = Running(job, ctx, is_async=task is not None and task.is_async)
         self._slots.running[job.id] = running
         running.task = asyncio.get_running_loop().create_task(self._execute(running))
