@@ -287,6 +287,10 @@ def migrate(ctx: click.Context, lock_timeout: float, attempts: int, check: bool,
 @click.option("-q", "--queue", "queues", multiple=True, default=["default"], show_default=True,
               help="Queue to serve; repeat for several.")
 @click.option("-c", "--concurrency", default=10, show_default=True, type=int)
+@click.option("--processes", default="1", show_default=True,
+              help="Worker processes to run and supervise (restarting one that dies, "
+                   "forwarding SIGTERM/SIGINT, one metrics endpoint for all); auto: one per "
+                   "core.")
 @click.option("--batch-size", default=None, type=int,
               help="Jobs per claim [concurrency + prefetch, at most 1000].")
 @click.option("--lease", default="30s", show_default=True, type=DURATION,
@@ -335,7 +339,7 @@ def migrate(ctx: click.Context, lock_timeout: float, attempts: int, check: bool,
 @click.option("-v", "--verbose", is_flag=True, help="As `skipjack -v`.")
 @click.pass_context
 def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], concurrency: int,
-           batch_size: int | None, lease: float, heartbeat: float | None,
+           processes: str, batch_size: int | None, lease: float, heartbeat: float | None,
            poll_interval: float, rescue_interval: float | None, grace: float,
            stage_interval: float, retention: float | None, discarded_retention: float | None,
            prefetch: int | None, fairness_every: int, unknown_task_grace: float, name: str,
@@ -344,6 +348,14 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
            log_format: LogFormat | None, verbose: bool) -> None:
     """Run a worker for the tasks of MODULE:APP (under Django's manage.py: of the project's
     app, without MODULE:APP)."""
+    count = _process_count(processes)
+    if count > 1 and not os.environ.get("SKIPJACK_WORKER_PROCESS"):
+        from .supervisor import Supervisor, child_argv, command_line
+
+        argv = child_argv(sys.argv[1:], ["--processes", "--metrics-port", "--metrics-host"])
+        metrics = (metrics_host, metrics_port) if metrics_port is not None else None
+        sys.exit(Supervisor([*command_line(), *argv], count, grace=grace,
+                            metrics=metrics).run())
     if log_levels or log_format or verbose:  # the worker's own logging options
         levels, fmt, loud, quiet = ctx.obj["logging"]
         _configure_logging((*levels, *log_levels), log_format or fmt, loud or verbose,
@@ -384,6 +396,19 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
     embedded.release()  # os._exit skips the atexit hook that would
     logging.shutdown()
     os._exit(0)  # do not wait for sync handler threads that ignored the shutdown
+
+
+def _process_count(value: str) -> int:
+    """``--processes``: a count 1..1,024, or ``auto`` (one per core)."""
+    if value.strip().lower() == "auto":
+        return max(1, os.cpu_count() or 1)
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 1024:
+        raise click.BadParameter(f"{value!r} must be 1..1024 or auto", param_hint="--processes")
+    return count
 
 
 def _metrics_module() -> Any:
