@@ -6,6 +6,7 @@ import functools
 import time
 from typing import Any
 
+from . import raw
 from .common import Settings, drain_span, fresh_app, payload, rate, repeat, wait_for
 from .tasks import register
 from .worker_run import StateCounter, WorkerProcesses, drain_with_worker, with_metrics
@@ -20,6 +21,16 @@ def _drain_once(settings: Settings, jobs: int, concurrency: int) -> dict[str, An
         drain_with_worker(app, jobs, concurrency=concurrency, timeout=60 + jobs / 200)
         done, span = drain_span(app)
     return {"jobs_per_s": rate(done, span), "seconds": round(span or 0, 3)}
+
+
+def _drain_cost(settings: Settings, jobs: int, concurrency: int) -> dict[str, Any]:
+    """What one job of a W2 drain costs: the server's and this process's (the worker's)
+    CPU, WAL bytes and commits (see :func:`raw.cost`)."""
+    with fresh_app(settings.dsn, "w2cost") as app:
+        noop = register(app)["noop"]
+        app.enqueue_many(noop.job(i=i) for i in range(jobs))
+        return raw.cost(app.dsn, jobs, lambda: drain_with_worker(
+            app, jobs, concurrency=concurrency, timeout=60 + jobs / 200))
 
 
 def w2(settings: Settings, concurrencies: tuple[int, ...] = (1, 10, 100)) -> dict[str, Any]:
@@ -37,6 +48,8 @@ def w2(settings: Settings, concurrencies: tuple[int, ...] = (1, 10, 100)) -> dic
     best = max(concurrencies, key=lambda c: out["by_concurrency"][str(c)]["jobs_per_s"] or 0)
     out["best_concurrency"] = best
     out["best_jobs_per_s"] = out["by_concurrency"][str(best)]["jobs_per_s"]
+    settings.log(f"W2 drain: {jobs} jobs, concurrency {best}, measuring the cost per job")
+    out["per_job"] = _drain_cost(settings, jobs, best)
     if not settings.quick:
         big = settings.n(100_000)
         settings.log(f"W2 drain: {big} jobs, concurrency {best}")

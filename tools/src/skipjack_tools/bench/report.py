@@ -97,6 +97,22 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     seq = sj.get("w8", {}).get("plan", {}).get("seq_scan")
     out.append(_target("W8 claim p99 with history (ms)", w8, "< 10, no Seq Scan",
                        None if w8 is None else (w8 < 10 and seq is False)))
+    for name, ours, limit, goal in (
+            ("W1 one per call / bare INSERT + commit", ("w1", "single_jobs_per_s"),
+             ("raw", "insert_each", "jobs_per_s"), 0.75),
+            ("W1 bulk / one INSERT ... unnest", ("w1", "bulk_jobs_per_s"),
+             ("raw", "insert_unnest", "jobs_per_s"), None),
+            ("W2 drain / bare claim 100 + DELETE loop", ("w2", "best_jobs_per_s"),
+             ("raw", "take_and_delete", "jobs_per_s"), 0.4)):
+        share = ratio(dig(sj, ours), dig(sj, limit), True)
+        out.append(_target(name, share, f">= {goal}" if goal else "(reported)",
+                           None if share is None or goal is None else share >= goal))
+    for key, label in (("server_cpu_us", "server CPU"), ("wal_bytes", "WAL bytes")):
+        ours_cost = dig(sj, ("w2", "per_job", key))
+        bare_cost = dig(sj, ("raw", "take_and_delete", "per_job", key))
+        times = round(ours_cost / bare_cost, 2) if ours_cost and bare_cost else None
+        out.append(_target(f"W2 {label} per job / the bare loop's", times, "<= 2",
+                           None if times is None else times <= 2))
     for kind in ("delayed", "retried"):
         late = dig(sj, ("w9", kind, "p99_ms"))
         out.append(_target(f"W9 {kind} jobs' lateness p99 (ms)", late, "< 50",
@@ -207,6 +223,22 @@ def _other_table(sj: dict[str, Any]) -> Table:
                   f"{_fmt(w8['claim_ms_during_snapshot']['p50'], 2)}, p99 "
                   f"{_fmt(w8['claim_ms_during_snapshot']['p99'], 2)}; seq scan: "
                   f"{w8['plan']['seq_scan']}")
+    limits = sj.get("raw")
+    if limits:
+        t.add_row("raw limits (jobs/s)",
+                  f"INSERT + commit: {_fmt(dig(limits, ('insert_each', 'jobs_per_s')), 0)}, "
+                  f"one INSERT unnest: {_fmt(dig(limits, ('insert_unnest', 'jobs_per_s')), 0)}, "
+                  f"take 100 + DELETE: "
+                  f"{_fmt(dig(limits, ('take_and_delete', 'jobs_per_s')), 0)}")
+    for label, path in (("W2 per job", ("w2", "per_job")),
+                        ("bare loop per job", ("raw", "take_and_delete", "per_job"))):
+        per: Any = sj
+        for key in path:
+            per = per.get(key) if isinstance(per, dict) else None
+        if per:
+            t.add_row(f"{label}", f"server CPU {_fmt(per['server_cpu_us'], 1)} µs, client CPU "
+                      f"{_fmt(per['client_cpu_us'], 1)} µs, WAL {_fmt(per['wal_bytes'], 0)} B, "
+                      f"commits {per['commits']}")
     w9 = sj.get("w9")
     if w9:
         t.add_row("W9 lateness from due time (ms)",

@@ -11,12 +11,22 @@ from typing import Any
 
 import psycopg
 
-from . import ceiling, claim_methods, dashboard, drain, enqueue, history, latency, retry_storm
+from . import (
+    ceiling,
+    claim_methods,
+    dashboard,
+    drain,
+    enqueue,
+    history,
+    latency,
+    raw,
+    retry_storm,
+)
 from .common import Settings, connect, server_answers
 from .peers.runner import PEERS, run_peer
 from .report import ratios, targets
 
-SCENARIOS = ("ceiling", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "memory",
+SCENARIOS = ("ceiling", "raw", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "memory",
              "dashboard")
 
 
@@ -45,6 +55,7 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
     sj: dict[str, Any] = {}
     steps = {
         "ceiling": lambda: ceiling.run(settings),
+        "raw": lambda: raw.run(settings),
         "w1": lambda: enqueue.run(settings),
         "w2": lambda: drain.w2(settings),
         "w3": lambda: latency.w3(settings),

@@ -1,0 +1,168 @@
+"""The database's raw limits, measured in the same run as skipjack, with no queue at all: a
+plain table and the fewest statements that do each job.
+
+- one INSERT and its commit per call, on one connection (what W1 one-per-call is bounded by);
+- one ``INSERT ... SELECT FROM unnest(...)`` of a whole batch (W1 bulk's bound);
+- a loop on one connection that takes 100 rows ``FOR UPDATE SKIP LOCKED`` and deletes them
+  in one statement, a transaction each (W2's bound).
+
+For the loop, and for one W2 drain, :func:`cost` also reads what each job cost: the server's
+CPU (the ``/proc`` times of its processes, when the server runs on this machine), the
+client's CPU, WAL bytes and commits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from .common import Settings, connect, fresh_database, median, rate
+
+TABLE = """
+CREATE TABLE raw_jobs (
+    id     bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    queue  text NOT NULL,
+    args   jsonb NOT NULL,
+    run_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX raw_jobs_queue ON raw_jobs (queue, run_at, id)
+"""
+INSERT_ONE = "INSERT INTO raw_jobs (queue, args) VALUES ('bench', %s::jsonb)"
+INSERT_UNNEST = ("INSERT INTO raw_jobs (queue, args) "
+                 "SELECT 'bench', a FROM unnest(%s::jsonb[]) AS a")
+TAKE = ("SELECT id FROM raw_jobs WHERE queue = 'bench' ORDER BY run_at, id LIMIT 100 "
+        "FOR UPDATE SKIP LOCKED")
+DELETE = "DELETE FROM raw_jobs WHERE id = ANY(%s::bigint[])"
+COUNTERS = """
+SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()),
+       pg_current_wal_lsn()
+"""
+WAL_SINCE = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)::bigint"
+SERVER_PIDS = "SELECT pid FROM pg_stat_activity"
+STATS_FLUSH = 1.2  # seconds: backends publish their commit counts at most once a second
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (index 1: ppid, 11/12: utime
+    and stime, 13/14: the reaped children's), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _server_cpu(conn: psycopg.Connection[Any]) -> float | None:
+    """Seconds of CPU the server's processes used so far, those that ended included: the
+    live ones' own times, and the postmaster's own and its reaped children's (None: the
+    server is not on this machine)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    live: dict[int, list[str]] = {}
+    for (pid,) in conn.execute(SERVER_PIDS).fetchall():
+        fields = _stat(pid)
+        if fields is not None:
+            live[pid] = fields
+    if not live:
+        return None
+    parents = {int(fields[1]) for fields in live.values()}
+    postmaster = next((p for p in parents if p not in live and _stat(p) is not None), None)
+    total = sum(int(f[11]) + int(f[12]) for f in live.values())  # ticks
+    if postmaster is not None:
+        own = _stat(postmaster)
+        if own is not None:
+            total += int(own[11]) + int(own[12]) + int(own[13]) + int(own[14])
+    return total / tick
+
+
+def cost(dsn: str, jobs: int, run: Callable[[], object]) -> dict[str, Any]:
+    """What ``run`` cost per job: server and client CPU (µs), WAL bytes, commits."""
+    with connect(dsn) as conn:
+        commits, lsn = conn.execute(COUNTERS).fetchone()  # type: ignore[misc]
+        server = _server_cpu(conn)
+        client = time.process_time()
+        run()
+        client = time.process_time() - client
+        # measured before the backends of the run end, then the commits once flushed
+        server_after = _server_cpu(conn)
+        wal = conn.execute(WAL_SINCE, [lsn]).fetchone()[0]  # type: ignore[index]
+        time.sleep(STATS_FLUSH)
+        commits_after = conn.execute(COUNTERS).fetchone()[0]  # type: ignore[index]
+    per = max(1, jobs)
+    return {
+        "server_cpu_us": (round((server_after - server) * 1e6 / per, 1)
+                          if server is not None and server_after is not None else None),
+        "client_cpu_us": round(client * 1e6 / per, 1),
+        "wal_bytes": round(wal / per, 1),
+        "commits": round((commits_after - commits) / per, 4),
+    }
+
+
+def _insert_each(dsn: str, jobs: int) -> float | None:
+    with connect(dsn) as conn:
+        started = time.perf_counter()
+        for i in range(jobs):
+            conn.execute(INSERT_ONE, [json.dumps({"i": i})])
+        return rate(jobs, time.perf_counter() - started)
+
+
+def _insert_unnest(dsn: str, jobs: int) -> float | None:
+    with connect(dsn) as conn:
+        started = time.perf_counter()
+        conn.execute(INSERT_UNNEST, [[json.dumps({"i": i}) for i in range(jobs)]])
+        return rate(jobs, time.perf_counter() - started)
+
+
+def _take_and_delete(dsn: str) -> int:
+    done = 0
+    with connect(dsn) as conn:
+        conn.autocommit = False
+        while True:
+            ids = [r[0] for r in conn.execute(TAKE).fetchall()]
+            if not ids:
+                conn.commit()
+                return done
+            conn.execute(DELETE, [ids])
+            conn.commit()
+            done += len(ids)
+
+
+def run(settings: Settings) -> dict[str, Any]:
+    """The three raw limits (medians of ``settings.runs``), and the loop's cost per job."""
+    single, bulk, drain = settings.n(2000), settings.n(10_000), settings.n(10_000)
+    out: dict[str, Any] = {"insert_each": {"jobs": single}, "insert_unnest": {"jobs": bulk},
+                           "take_and_delete": {"jobs": drain, "batch": 100}}
+    each, unnest, loop, costs = [], [], [], []
+    for _ in range(settings.runs):
+        with fresh_database(settings.dsn, "raw") as dsn:
+            with connect(dsn) as conn:
+                conn.execute(TABLE)
+            settings.log(f"raw limits: {single} INSERT + commit, {bulk} in one INSERT, "
+                         f"{drain} taken 100 at a time and deleted")
+            each.append(_insert_each(dsn, single))
+            with connect(dsn) as conn:
+                conn.execute("TRUNCATE raw_jobs")
+            unnest.append(_insert_unnest(dsn, bulk))
+            with connect(dsn) as conn:
+                conn.execute("TRUNCATE raw_jobs")
+                conn.execute(INSERT_UNNEST, [[json.dumps({"i": i}) for i in range(drain)]])
+                conn.execute("VACUUM ANALYZE raw_jobs")
+            span: list[float] = []
+
+            def timed(dsn: str = dsn, span: list[float] = span) -> None:
+                started = time.perf_counter()
+                _take_and_delete(dsn)
+                span.append(time.perf_counter() - started)
+
+            costs.append(cost(dsn, drain, timed))
+            loop.append(rate(drain, span[0]))
+    out["insert_each"]["jobs_per_s"] = median(each)
+    out["insert_unnest"]["jobs_per_s"] = median(unnest)
+    out["take_and_delete"]["jobs_per_s"] = median(loop)
+    out["take_and_delete"]["per_job"] = {
+        key: median([c[key] for c in costs]) for key in costs[0]}
+    return out
