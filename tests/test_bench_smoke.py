@@ -26,6 +26,7 @@ SCENARIO_KEYS = {
     "w7": {"cases"},
     "w8": {"plan", "claim_ms", "claim_ms_during_snapshot"},
     "w9": {"delayed", "retried"},
+    "w10": {"by_processes", "concurrency"},
     "memory": {"peak_rss_mib", "idle_rss_mib"},
 }
 

@@ -6,8 +6,25 @@ from __future__ import annotations
 from typing import Any
 
 
+def _scaling(ax: Any, by: dict[str, Any]) -> None:
+    """W10: throughput (left axis) and claim p99 (right axis) against worker processes."""
+    xs = [int(n) for n in by]
+    ax.plot(xs, [by[n]["jobs_per_s"] or 0 for n in by], "o-", label="jobs/s")
+    ax.set_xlabel("worker processes (concurrency 50 each)")
+    ax.set_ylabel("jobs/s")
+    ax.set_xticks(xs)
+    other = ax.twinx()
+    other.plot(xs, [by[n]["claim_ms"]["p99"] or 0 for n in by], "s--", color="tab:red",
+               label="claim p99 (ms)")
+    other.set_ylabel("claim p99 (ms)")
+    ax.set_title("W10 many workers, one server")
+    ax.legend(loc="upper left", fontsize=8)
+    other.legend(loc="upper right", fontsize=8)
+
+
 def write_plot(results: dict[str, Any], path: str) -> str | None:
-    """Draw the plot into ``path``; returns why it was skipped, or None when written."""
+    """Draw the plot into ``path`` (and W10's, when measured, into ``<path>-w10.png``);
+    returns why it was skipped, or None when written."""
     try:
         import matplotlib
 
@@ -17,6 +34,15 @@ def write_plot(results: dict[str, Any], path: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install './tools[bench]')"
     sj = results["skipjack"]
+    scaling = sj.get("w10", {}).get("by_processes", {})
+    if scaling:  # a figure of its own, beside the main one: <path>-w10.png
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        _scaling(ax, scaling)
+        fig.tight_layout()
+        fig.savefig(path.removesuffix(".png") + "-w10.png", dpi=110)
+        plt.close(fig)
+        if not sj.get("w2") and not sj.get("w3"):
+            return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     by = sj.get("w2", {}).get("by_concurrency", {})
     if by:

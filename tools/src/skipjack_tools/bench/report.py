@@ -239,6 +239,11 @@ def _other_table(sj: dict[str, Any]) -> Table:
             t.add_row(f"{label}", f"server CPU {_fmt(per['server_cpu_us'], 1)} µs, client CPU "
                       f"{_fmt(per['client_cpu_us'], 1)} µs, WAL {_fmt(per['wal_bytes'], 0)} B, "
                       f"commits {per['commits']}")
+    for n, v in sj.get("w10", {}).get("by_processes", {}).items():
+        waits = ", ".join(f"{k} {c}" for k, c in list(v["wait_events"].items())[:3]) or "none"
+        t.add_row(f"W10 {n} process(es) x 50",
+                  f"{_fmt(v['jobs_per_s'], 0)} jobs/s; claim p50 {_fmt(v['claim_ms']['p50'], 2)}"
+                  f" ms, p99 {_fmt(v['claim_ms']['p99'], 2)} ms; waits: {waits}")
     w9 = sj.get("w9")
     if w9:
         t.add_row("W9 lateness from due time (ms)",
