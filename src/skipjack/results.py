@@ -106,13 +106,10 @@ class JobHandle(int):
             _mark(self.app, int(self))
             while True:
                 row = _read(self.app, int(self))
-                if row["state"] in FINISHED:
+                wait = _next_wait(int(self), row, deadline, timeout)
+                if wait is None:
                     return _outcome(int(self), row)
-                left = _left(deadline)
-                if left <= 0:
-                    raise ResultTimeout(f"job {int(self)} had not ended within {timeout}s "
-                                        f"(it is {row['state']})")
-                event.wait(min(POLL_INTERVAL, left))
+                event.wait(wait)
                 event.clear()
         finally:
             listener.remove(int(self), event.set)
@@ -137,14 +134,11 @@ class JobHandle(int):
             await asyncio.to_thread(_mark, self.app, int(self))
             while True:
                 row = await asyncio.to_thread(_read, self.app, int(self))
-                if row["state"] in FINISHED:
+                wait = _next_wait(int(self), row, deadline, timeout)
+                if wait is None:
                     return _outcome(int(self), row)
-                left = _left(deadline)
-                if left <= 0:
-                    raise ResultTimeout(f"job {int(self)} had not ended within {timeout}s "
-                                        f"(it is {row['state']})")
                 try:
-                    await asyncio.wait_for(event.wait(), min(POLL_INTERVAL, left))
+                    await asyncio.wait_for(event.wait(), wait)
                 except TimeoutError:
                     pass
                 event.clear()
@@ -162,6 +156,22 @@ def _deadline(timeout: float | None) -> float | None:
 
 def _left(deadline: float | None) -> float:
     return float("inf") if deadline is None else deadline - time.monotonic()
+
+
+def _next_wait(job_id: int, row: dict[str, Any], deadline: float | None,
+               timeout: float | None) -> float | None:
+    """Seconds to wait before reading the job again; None once it ended.
+
+    Raises:
+        ResultTimeout: it has not ended and the deadline passed.
+    """
+    if row["state"] in FINISHED:
+        return None
+    left = _left(deadline)
+    if left <= 0:
+        raise ResultTimeout(f"job {job_id} had not ended within {timeout}s "
+                            f"(it is {row['state']})")
+    return min(POLL_INTERVAL, left)
 
 
 def _mark(app: Admin, job_id: int) -> None:

@@ -41,7 +41,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from .app import App
 from .context import Job, JobContext, set_current
@@ -282,7 +281,7 @@ def _drop_schema(app: App, name: str) -> None:
     """Drop a test's schema. A session of the test's that holds a lock on it (a
     transaction left open) would make the drop wait forever: after 5 s such sessions are
     ended (the schema was the test's alone), and the drop goes on."""
-    drop = sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name))
+    drop = app.queries.DROP_SCHEMA  # app.queries is the test schema's here
     with app.connect() as conn:
         try:
             with conn.transaction():
