@@ -81,7 +81,8 @@ def test_operator_walkthrough(server: Server, schema: str, dash_app: App, browse
             page.click("nav >> text=Jobs")
             page.select_option('select[name="state"]', "discarded")
             page.fill('input[name="queue"]', "mail")
-            page.click('#filters button[type="submit"]')
+            with page.expect_navigation():  # wait for the filtered page, not just the click
+                page.click('#filters button[type="submit"]')
             rows = page.locator("#jobs-table tbody tr[data-id]")
             assert sorted(int(r.get_attribute("data-id")) for r in rows.all()) == mail
             assert page.locator("#jobs-table .state-discarded").count() == 3
@@ -127,7 +128,8 @@ def test_operator_walkthrough(server: Server, schema: str, dash_app: App, browse
             # the live worker and what it runs
             wait_until(lambda: dash_app.workers() and dash_app.running_jobs(),
                        what="the worker running linger")
-            page.click("nav >> text=Workers")
+            with page.expect_navigation():
+                page.click("nav >> text=Workers")
             assert page.locator("section.worker").count() == 1
             assert "dashboard_app.linger" in page.locator("section.worker").inner_text()
             page.screenshot(path=SHOTS / f"{shots}workers.png", full_page=True)
