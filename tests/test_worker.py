@@ -577,8 +577,10 @@ def test_outcomes_the_database_does_not_take_stop_the_claims(tasks: App,
     the worker must stop claiming once 1,000 outcomes wait (not run the whole queue with
     nothing recorded), and go on when the lock goes."""
     (locked,) = enqueue(tasks, "sleep", seconds=0.3)
+    # a fixed prefetch of 10 keeps the bound small: 10 x 10 slots + 2 x 10, at least 1,000
     with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--concurrency", "10",
-                       "--lease", "30", "--heartbeat", "0.5", log=tmp_path / "w.log") as w, \
+                       "--prefetch", "10", "--lease", "30", "--heartbeat", "0.5",
+                       log=tmp_path / "w.log") as w, \
             psycopg.connect(tasks.dsn) as holder:
         wait_until(lambda: locked in exec_counts(tasks.dsn, tasks.schema), timeout=30,
                    what="the first job started")
@@ -766,3 +768,50 @@ def test_fairness_reaches_low_priorities_on_a_limited_queue(app: App) -> None:
         worker.stop()
         thread.join(30)
     assert order == [1, 0, 2, 3, 4]  # claim 2 took the oldest; strict priority: 0 last
+
+
+def _claim_sizes(app: App) -> list[int]:
+    """Jobs per claim statement: the rows a claim takes share its transaction's
+    ``attempted_at``."""
+    rows = query(app.dsn, "SELECT count(*) FROM {schema}.jobs GROUP BY attempted_at "
+                 "ORDER BY min(id)", schema=app.schema)
+    return [n for (n,) in rows]
+
+
+def _run_worker_until(worker: Worker, done: Any) -> None:
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    try:
+        wait_until(done, timeout=120, what="the jobs done")
+    finally:
+        worker.stop()
+        thread.join(30)
+
+
+def test_the_default_prefetch_claims_short_jobs_in_batches_and_long_ones_per_slot(
+        app: App) -> None:
+    """The adaptive prefetch (the default): 3,000 no-op jobs at concurrency 10 are claimed a
+    few hundred or more at a time (a fixed buffer of 10 took 20 per claim), while 0.2 s jobs
+    at concurrency 2 are claimed only for free slots, so no worker holds long jobs that
+    another could start."""
+    @app.task(name="quick", queue="q")
+    async def quick() -> None:
+        pass
+
+    @app.task(name="slow", queue="q")
+    async def slow() -> None:
+        await asyncio.sleep(0.2)
+
+    app.enqueue_many(quick.job() for _ in range(3000))
+    worker = Worker(app, ["q"], concurrency=10, poll_interval=0.2)
+    _run_worker_until(worker, lambda: states(app.dsn, app.schema) == {"succeeded": 3000})
+    sizes = _claim_sizes(app)
+    assert sizes[0] == 10  # nothing known yet: the free slots only
+    assert len(sizes) <= 30 and max(sizes) >= 500, sizes
+    assert worker.gauges()["prefetch"] >= 500
+
+    query(app.dsn, "DELETE FROM {schema}.jobs", schema=app.schema)
+    app.enqueue_many(slow.job() for _ in range(6))
+    worker = Worker(app, ["q"], concurrency=2, poll_interval=0.2)
+    _run_worker_until(worker, lambda: states(app.dsn, app.schema) == {"succeeded": 6})
+    assert max(_claim_sizes(app)) <= 2 and worker.gauges()["prefetch"] == 0

@@ -310,7 +310,8 @@ def migrate(ctx: click.Context, lock_timeout: float, attempts: int, check: bool,
 @click.option("--discarded-retention", default=None, type=DURATION,
               help="Prune discarded jobs older than this [10 x retention].")
 @click.option("--prefetch", default=None, type=click.IntRange(0, 10_000),
-              help="Jobs claimed ahead of free slots [concurrency, at most 100].")
+              help="Jobs claimed ahead of free slots [adaptive: about 50 ms of work at the "
+                   "handlers' average run time, 0 to 1000].")
 @click.option("--fairness-every", default=10, show_default=True, type=click.IntRange(0),
               help="Every n-th claim that takes jobs from a queue takes the oldest ones "
                    "whatever their priority (0: strict priority).")

@@ -276,7 +276,9 @@ class _WorkerCollector(Collector):
             for name, text in (("running", "Jobs running now."),
                                ("buffered", "Jobs claimed ahead, waiting for a slot."),
                                ("outcomes_pending", "Outcomes waiting to be written."),
-                               ("concurrency", "The worker's slots."))}
+                               ("concurrency", "The worker's slots."),
+                               ("prefetch", "Jobs the worker claims ahead of free slots "
+                                            "now (adaptive unless set)."))}
         rescued = CounterMetricFamily("skipjack_worker_rescued",
                                       "Jobs whose lease had expired (a worker crashed or was "
                                       "cut off) that this worker's rescuer returned.",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from skipjack.context import Job, JobContext
-from skipjack.runtime.slots import Running, Slots
+from skipjack.runtime.slots import MAX_PREFETCH, Running, Slots
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -42,8 +42,30 @@ def test_full_slots_leave_no_free_slot() -> None:
 
 def test_unwritten_outcomes_pause_claims_until_they_are_written() -> None:
     slots = Slots(concurrency=10, prefetch=10)
-    assert slots.max_unwritten == 1000  # ten claims' worth, at least 1,000
-    assert Slots(concurrency=200, prefetch=100).max_unwritten == 3000
+    assert slots.max_unwritten == 1000  # 10 x slots + 2 buffers, at least 1,000
+    assert Slots(concurrency=200, prefetch=100).max_unwritten == 2200
+    assert Slots(concurrency=10, prefetch=None).max_unwritten == 2100  # the largest buffer
     assert slots.room(999) == 20 and not slots.claims_paused
     assert slots.room(1000) == 0 and slots.claims_paused
     assert slots.room(5) == 20 and not slots.claims_paused
+
+
+def test_adaptive_prefetch_follows_the_handlers_run_time() -> None:
+    slots = Slots(concurrency=10, prefetch=None)
+    assert slots.prefetch == 0 and slots.room(0) == 10  # nothing known yet: the slots only
+    slots.ran(0.00001)  # 10 us no-op handlers: 10 slots finish 50,000 in the horizon
+    assert slots.prefetch == MAX_PREFETCH
+    slots.run_time = None
+    slots.ran(0.002)  # 2 ms jobs: 10 * 0.05 / 0.002
+    assert slots.prefetch == 250
+    for _ in range(200):  # the average follows a change to 1 s jobs
+        slots.ran(1.0)
+    assert slots.prefetch == 0 and slots.room(0) == 10
+    slots.ran(0.0)
+    assert slots.prefetch == 0  # one fast job moves the average only by its weight
+
+
+def test_a_fixed_prefetch_does_not_adapt() -> None:
+    slots = Slots(concurrency=10, prefetch=7)
+    slots.ran(0.00001)
+    assert slots.prefetch == 7 and slots.run_time == 0.00001

@@ -265,6 +265,8 @@ class Executor:
                              unknown_task_grace=self._unknown_task_grace,
                              ran=time.monotonic() - started if called else None)
         finally:
+            if task is not None:
+                self._slots.ran(time.monotonic() - started)  # the adaptive prefetch's input
             if running.superseded:  # see buffer()
                 self._slots.stuck_threads -= 1
             elif self._slots.running.get(job.id) is running:

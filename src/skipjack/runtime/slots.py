@@ -15,6 +15,18 @@ from ..context import Job, JobContext
 
 log = logging.getLogger("skipjack.worker")
 
+# The adaptive prefetch (``Slots(prefetch=None)``, the worker's default): the buffer holds
+# about PREFETCH_HORIZON seconds of work at the rate the slots finish jobs (concurrency /
+# the average handler time), at most MAX_PREFETCH jobs. Short jobs get large claims, so a
+# claim's round trip and commit are shared by many jobs; long jobs get few or none, so a
+# worker does not hold work that another worker could start now. docs/performance.md
+# ("How many jobs a claim takes") has the measurements that chose these figures.
+PREFETCH_HORIZON = 0.05
+MAX_PREFETCH = 1000
+# Weight of the latest handler time in the running average (an exponentially weighted
+# moving average: about the last 1 / RUN_TIME_WEIGHT jobs count).
+RUN_TIME_WEIGHT = 0.05
+
 
 @dataclass
 class Running:
@@ -32,7 +44,9 @@ class Slots:
 
     Args:
         concurrency: the most jobs running at once (slots).
-        prefetch: jobs claimed ahead of free slots, waiting in ``ready``.
+        prefetch: jobs claimed ahead of free slots, waiting in ``ready``; None adapts it to
+            the handlers' average run time (see ``ran`` and ``PREFETCH_HORIZON``), starting
+            at 0 until the first job ends.
 
     A slot is in use by a running job (``running``), by a claim-mode runner
     (``claim_mode``), or by a handler thread that the worker stopped waiting for but that
@@ -40,19 +54,33 @@ class Slots:
     for a thread.
     """
 
-    def __init__(self, concurrency: int, prefetch: int) -> None:
+    def __init__(self, concurrency: int, prefetch: int | None) -> None:
         self.concurrency = concurrency
-        self.prefetch = prefetch
+        self.adaptive = prefetch is None
+        self.prefetch = 0 if prefetch is None else prefetch
+        self.run_time: float | None = None  # average handler run time, seconds
         self.running: dict[int, Running] = {}
         self.ready: dict[int, Job] = {}  # claimed, waiting for a slot (insertion order)
         self.claim_mode = 0
         self.stuck_threads = 0
         self.claims_paused = False
-        # Outcomes waiting to be written past which nothing more is claimed: ten claims'
-        # worth (at least 1,000), far above what piles up while one write runs, so only a
-        # stalled completer reaches it. It bounds the finished jobs that a crash during such
-        # a stall would run again.
-        self.max_unwritten = max(1000, 10 * (concurrency + prefetch))
+        # Outcomes waiting to be written past which nothing more is claimed: ten times the
+        # slots plus two full prefetch buffers (at least 1,000), far above what piles up
+        # while one write runs, so only a stalled completer reaches it. It bounds the
+        # finished jobs that a crash during such a stall would run again.
+        most = MAX_PREFETCH if prefetch is None else prefetch
+        self.max_unwritten = max(1000, 10 * concurrency + 2 * most)
+
+    def ran(self, seconds: float) -> None:
+        """A handler ran for ``seconds``: update the average run time and, when adaptive,
+        the prefetch: ``concurrency * PREFETCH_HORIZON / average`` jobs (the work the slots
+        finish in PREFETCH_HORIZON seconds), rounded down, 0 to ``MAX_PREFETCH``."""
+        avg = seconds if self.run_time is None else (
+            self.run_time + RUN_TIME_WEIGHT * (seconds - self.run_time))
+        self.run_time = avg
+        if self.adaptive:
+            ahead = self.concurrency * PREFETCH_HORIZON
+            self.prefetch = MAX_PREFETCH if ahead >= avg * MAX_PREFETCH else int(ahead / avg)
 
     def busy(self) -> int:
         """Slots in use."""

@@ -47,7 +47,7 @@ from .listener import listen, probe
 from .maintenance import Maintenance, Registry, schedule_due
 from .producer import Producer
 from .report import Reporter, WorkerStats
-from .slots import Slots
+from .slots import MAX_PREFETCH, Slots
 
 log = logging.getLogger("skipjack.worker")
 
@@ -77,7 +77,8 @@ class Worker:
         queues: queue names to serve; each is claimed with its own statement.
         concurrency: the most jobs running at once in this process (1..10,000).
         batch_size: the most jobs one claim takes (default: ``concurrency + prefetch``, at
-            most 1,000: one claim can fill every free slot and the prefetch buffer).
+            most 1,000, with an adaptive prefetch counted at its largest: one claim can fill
+            every free slot and the prefetch buffer).
         lease: seconds a claim is valid without renewal. A job whose lease expires is
             rescued (returned to the queue) by any worker.
         heartbeat: seconds between heartbeats (lease renewals); must be < lease / 2 so one
@@ -92,10 +93,13 @@ class Worker:
             ones (default ``skipjack.jobs.DEFAULT_RETENTION``, 7 days; None: it prunes
             nothing, and the table keeps every job).
         discarded_retention: seconds to keep discarded jobs (default 10 x retention).
-        prefetch: jobs claimed ahead of free slots (default ``concurrency``, at most 100), so
-            a slot that frees starts its next job at once instead of after a claim round
-            trip. Their leases are renewed while they wait; they count as started (an
-            attempt) and are released at shutdown. 0 claims only for free slots.
+        prefetch: jobs claimed ahead of free slots, so a slot that frees starts its next job
+            at once instead of after a claim round trip. Their leases are renewed while they
+            wait; they count as started (an attempt) and are released at shutdown. 0 claims
+            only for free slots. Default None: adaptive, about 0.05 s of work at the
+            handlers' average run time (``concurrency * 0.05 / average``, 0 to 1,000; see
+            ``skipjack.runtime.slots``): short jobs are claimed a thousand at a time, jobs
+            of 0.5 s or longer one per free slot, so they spread across workers.
         fairness_every: every n-th claim that takes jobs from a queue (limited or not) takes
             the oldest runnable jobs whatever their priority, so no priority waits forever
             (0 disables: strict priority, where a steady stream of higher priorities starves
@@ -178,12 +182,11 @@ class Worker:
                               f"{NAME_MAX_BYTES}")
         if not 1 <= self.concurrency <= 10_000:
             raise ConfigError(f"concurrency: {self.concurrency} is out of range 1..10000")
-        if self.prefetch is None:
-            self.prefetch = min(self.concurrency, 100)
-        if self.batch_size is None:
-            self.batch_size = min(self.concurrency + self.prefetch, 1000)
-        if not 0 <= self.prefetch <= 10_000:
+        if self.prefetch is not None and not 0 <= self.prefetch <= 10_000:
             raise ConfigError(f"prefetch: {self.prefetch} is out of range 0..10000")
+        if self.batch_size is None:
+            most = MAX_PREFETCH if self.prefetch is None else self.prefetch
+            self.batch_size = min(self.concurrency + most, 1000)
         if not 1 <= self.batch_size <= 10_000:
             raise ConfigError(f"batch_size: {self.batch_size} is out of range 1..10000")
         if not LEASE_MIN <= self.lease <= LEASE_MAX:
@@ -417,11 +420,13 @@ class Worker:
     def gauges(self) -> dict[str, int]:
         """What the worker holds now: ``running`` (jobs whose handler runs, a stuck thread's
         included), ``buffered`` (claimed ahead, waiting for a slot), ``outcomes_pending``
-        (waiting to be written) and ``concurrency``. Safe to call from any thread (a
-        snapshot, possibly a moment old)."""
+        (waiting to be written), ``concurrency`` and ``prefetch`` (the jobs it claims ahead
+        of free slots now, adaptive unless set). Safe to call from any thread (a snapshot,
+        possibly a moment old)."""
         slots = self._slots
         return {"running": slots.busy(), "buffered": len(slots.ready),
-                "outcomes_pending": len(self._completer), "concurrency": self.concurrency}
+                "outcomes_pending": len(self._completer), "concurrency": self.concurrency,
+                "prefetch": slots.prefetch}
 
     def pool_gauges(self) -> dict[tuple[str, str], int]:
         """Connections of the handlers' pools (which open only for tasks with their own
