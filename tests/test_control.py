@@ -337,6 +337,21 @@ def test_worker_prunes_with_retention(tasks: App, tmp_path: Path) -> None:
                    what="succeeded and cancelled pruned, discarded kept longer")
 
 
+def test_the_pruner_keeps_up_with_a_busy_queue(tasks: App, tmp_path: Path) -> None:
+    """20,000 jobs past their retention (a busy hour's worth) are pruned in one go, batch
+    after batch, not one batch of 1,000 per 10 s interval: that kept at most 100 jobs/s, so
+    a queue busier than that grew without end."""
+    query(tasks.dsn, """
+        INSERT INTO {schema}.jobs (queue, task, state, finished_at, attempt)
+        SELECT 'old', 't', 'succeeded', now() - interval '2 hours', 1
+          FROM generate_series(1, 20000)""", schema=tasks.schema)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--retention", "1h",
+                       log=tmp_path / "w.log"):
+        # one batch per interval would have taken 200 s
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {}, timeout=60,
+                   what="every job past its retention pruned")
+
+
 def test_a_prune_the_database_refuses_holds_up_no_other_duty(
         app: App, caplog: pytest.LogCaptureFixture) -> None:
     """An application row references an old finished job with ON DELETE RESTRICT, so every

@@ -349,8 +349,9 @@ class Duty:
     run: Callable[[psycopg.Connection[Any]], object]
     next_at: float = 0.0
     # run returns the seconds until it is needed again (or None), which may bring its next
-    # run forward (the stager: the next scheduled job's due time)
-    adaptive: bool = False
+    # run forward (the stager: the next scheduled job's due time; the pruner: at once
+    # while it finds full batches)
+    adaptive: bool = False  # the stager: stage_at() may also bring its run forward
 
 
 class Maintenance(threading.Thread):
@@ -409,8 +410,15 @@ class Maintenance(threading.Thread):
         if cron is not None:
             self._duties.append(Duty("cron", 1.0, cron))
         if retention is not None:
-            self._duties.append(Duty("pruner", 10.0, lambda c: prune(
-                c, q, retention=retention, discarded_retention=discarded_retention)))
+            def pruner(conn: psycopg.Connection[Any]) -> float | None:
+                deleted = prune(conn, q, retention=retention,
+                                discarded_retention=discarded_retention)
+                # a full batch: more are past their retention; delete them now, one batch
+                # per turn of this thread, so a busy queue's table stops growing (one
+                # batch per interval pruned at most 100 jobs/s)
+                return 0.0 if deleted >= BATCH else None
+
+            self._duties.append(Duty("pruner", 10.0, pruner))
         now = time.monotonic()
         for duty in self._duties:
             # the registry row at once: a worker shows up as soon as it runs; the stager soon,
@@ -478,9 +486,9 @@ class Maintenance(threading.Thread):
                     log.exception("%s failed; it runs again at its next interval", duty.name)
                 with self._lock:
                     duty.next_at = time.monotonic() + duty.interval * random.uniform(0.8, 1.2)
+                    if isinstance(needed_in, float):
+                        duty.next_at = min(duty.next_at, time.monotonic() + needed_in)
                     if duty.adaptive:
-                        if isinstance(needed_in, float):
-                            duty.next_at = min(duty.next_at, time.monotonic() + needed_in)
                         if self._stage_requested > started:  # asked for while it ran
                             duty.next_at = min(duty.next_at, self._stage_requested)
                         self._stage_requested = float("inf")
