@@ -44,3 +44,21 @@ def test_quick_bench_reports_every_scenario(server: Server, tmp_path: Path) -> N
     assert set(data["skipjack"]["w6"]["methods"]) == {"no_lock", "for_update", "skip_locked"}
     assert data["machine"]["server"]["server_version"]
     assert all({"target", "value", "goal", "met"} <= set(t) for t in data["targets"])
+
+
+def test_quick_soak_reports_its_series_and_plot(server: Server, tmp_path: Path) -> None:
+    """The soak (not in the default run): a 20 s quick run samples the claim latency and the
+    table's size, reports both windows' p99 and the growth, and draws its plot."""
+    out, plot = tmp_path / "soak.json", tmp_path / "bench.png"
+    result = CliRunner().invoke(main, ["--dsn", server.dsn, "bench", "--quick", "--only",
+                                       "soak", "--plot", str(plot), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    soak = json.loads(out.read_text())["skipjack"]["soak"]
+    assert "error" not in soak, soak
+    assert soak["enqueued"] > 0 and soak["sizes"] and soak["claim_ms"]
+    assert soak["claim_p99_first_ms"] is not None and soak["claim_p99_last_ms"] is not None
+    drawn = json.loads(out.read_text())["plot"]
+    if drawn.get("skipped") is None:  # matplotlib is an extra of the tools: the plot if it is there
+        assert (tmp_path / "bench-soak.png").stat().st_size > 0
+    else:
+        assert "matplotlib" in drawn["skipped"]

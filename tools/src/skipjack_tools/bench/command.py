@@ -16,7 +16,7 @@ from skipjack.db import resolve_dsn
 from .common import Settings
 from .plot import write_plot
 from .report import print_report
-from .runner import SCENARIOS, known_peers, run_bench
+from .runner import OPTIONAL, SCENARIOS, known_peers, run_bench
 
 
 def _names(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -39,7 +39,8 @@ def _names(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
 @click.option("--compare", default="", metavar="PEERS",
               help="Also run W1-W4 for these libraries, e.g. pgqueuer,procrastinate,chancy.")
 @click.option("--only", default=",".join(SCENARIOS), show_default=True, metavar="SCENARIOS",
-              help="Run only these of skipjack's scenarios.")
+              help="Run only these of skipjack's scenarios; also: "
+                   f"{', '.join(OPTIONAL)} (20 minutes at scale 1).")
 @click.option("--scale", default=1.0, show_default=True, type=click.FloatRange(0.001, 100),
               help="Multiply every job count (1 = the sizes in docs/performance.md).")
 @click.option("--runs", default=3, show_default=True, type=click.IntRange(1, 20),
@@ -59,7 +60,7 @@ def bench(ctx: click.Context, as_json: bool, output: str | None, plot_path: str,
     obj: dict[str, Any] = ctx.obj or {}
     console = Console(stderr=as_json)
     peers = _names(compare, known_peers(), "peer")
-    scenarios = _names(only, SCENARIOS, "scenario")
+    scenarios = _names(only, SCENARIOS + OPTIONAL, "scenario")
     if quick:
         scale, runs = min(scale, 0.01), 1
     logging.getLogger("skipjack").setLevel(logging.WARNING)

@@ -23,6 +23,12 @@ def _drain_once(settings: Settings, jobs: int, concurrency: int) -> dict[str, An
     return {"jobs_per_s": rate(done, span), "seconds": round(span or 0, 3)}
 
 
+def drain_rate(settings: Settings, jobs: int, concurrency: int) -> float | None:
+    """One W2 drain of ``jobs`` no-op jobs at ``concurrency``: jobs/s."""
+    value = _drain_once(settings, jobs, concurrency)["jobs_per_s"]
+    return float(value) if value else None
+
+
 def _drain_cost(settings: Settings, jobs: int, concurrency: int) -> dict[str, Any]:
     """What one job of a W2 drain costs: the server's and this process's (the worker's)
     CPU, WAL bytes and commits (see :func:`raw.cost`)."""

@@ -18,44 +18,57 @@ from .worker_run import StateCounter, run_worker
 TASK = "bench.latency"
 
 
-def _latency_app(app: App, seen: list[float]) -> None:
+def _latency_app(app: App, seen: list[float], starts: dict[int, float] | None = None) -> None:
     @app.task(name=TASK, queue=QUEUE)
-    async def latency(t0: float) -> None:
-        """Records handler start minus the moment before the enqueue call, in ms."""
-        seen.append((time.time() - t0) * 1000)
+    async def latency(t0: float, i: int = -1) -> None:
+        """Records handler start minus the moment before the enqueue call, in ms (and, with
+        ``starts``, the start time of job number ``i``)."""
+        now = time.time()
+        seen.append((now - t0) * 1000)
+        if starts is not None:
+            starts[i] = now
 
 
-def _w3_once(settings: Settings, jobs: int) -> list[float]:
+def _w3_once(settings: Settings, jobs: int) -> tuple[list[float], list[float]]:
+    """One W3 run: (enqueue-to-start, commit-to-start) latencies in ms. The second is the
+    pickup: from the enqueue call's return (its commit) to the handler's start."""
     seen: list[float] = []
+    starts: dict[int, float] = {}
+    returned: dict[int, float] = {}
     with fresh_app(settings.dsn, "w3") as app:
-        _latency_app(app, seen)
+        _latency_app(app, seen, starts)
         task = app.tasks[TASK]
 
         async def feed() -> None:
             await asyncio.sleep(0.5)  # the worker is listening and idle
-            for _ in range(jobs):
-                await task.enqueue_async(t0=time.time())
+            for i in range(jobs):
+                await task.enqueue_async(t0=time.time(), i=i)
+                returned[i] = time.time()
                 await asyncio.sleep(0.02)
             while len(seen) < jobs:
                 await asyncio.sleep(0.01)
 
         run_worker(app, concurrency=10, until=feed, timeout=30 + jobs * 0.1)
-    return seen
+    pickup = [(starts[i] - returned[i]) * 1000 for i in returned if i in starts]
+    return seen, pickup
 
 
 def w3(settings: Settings) -> dict[str, Any]:
     """W3: an idle in-process worker (concurrency 10, woken by LISTEN/NOTIFY); 300 jobs
     enqueued one at a time, 20 ms apart, from the same process. Milliseconds; the median of
-    each percentile over ``settings.runs`` runs."""
+    each percentile over ``settings.runs`` runs. ``pickup_*_ms``: from the enqueue's commit
+    (its call returned) to the handler's start."""
     jobs = settings.n(300, minimum=30)
     settings.log(f"W3 latency: {jobs} jobs enqueued 20 ms apart to an idle worker")
-    samples = [_w3_once(settings, jobs) for _ in range(settings.runs)]
-    runs = [percentiles(s) for s in samples]
+    measured = [_w3_once(settings, jobs) for _ in range(settings.runs)]
+    runs = [percentiles(total) for total, _ in measured]
+    pickups = [percentiles(pickup) for _, pickup in measured]
     out: dict[str, Any] = {"jobs": jobs}
     for key in runs[0]:
         out[f"{key}_ms"] = median([r[key] for r in runs])
+        out[f"pickup_{key}_ms"] = median([r[key] for r in pickups])
     out["runs"] = runs
-    out["samples"] = [round(x, 3) for x in samples[-1]]
+    out["samples"] = [round(x, 3) for x in measured[-1][0]]
     return out
 
 

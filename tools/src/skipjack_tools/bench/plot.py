@@ -22,9 +22,36 @@ def _scaling(ax: Any, by: dict[str, Any]) -> None:
     other.legend(loc="upper right", fontsize=8)
 
 
+def _soak(axes: Any, soak: dict[str, Any]) -> None:
+    """The soak: claim latency (top) and the table's size and backlog (bottom) over time."""
+    top, bottom = axes
+    series = soak["claim_ms"]
+    minutes = [p["t"] / 60 for p in series]
+    top.plot(minutes, [p["p50_ms"] or 0 for p in series], label="claim p50")
+    top.plot(minutes, [p["p99_ms"] or 0 for p in series], label="claim p99")
+    top.set_ylabel("ms (per 30 s)")
+    top.set_title(f"soak: {soak['jobs_per_s']:,} jobs/s for {soak['seconds'] / 60:.0f} min, "
+                  f"retention {soak['retention_s'] / 60:.0f} min")
+    top.legend(fontsize=8)
+    sizes = soak["sizes"]
+    at = [s["t"] / 60 for s in sizes]
+    bottom.plot(at, [s["table_bytes"] / 2**20 for s in sizes], label="jobs table (MiB)")
+    bottom.plot(at, [s["index_bytes"] / 2**20 for s in sizes], label="its indexes (MiB)")
+    bottom.axvline(soak["retention_s"] / 60, linestyle=":", color="grey",
+                   label="retention reached")
+    bottom.set_xlabel("minutes")
+    bottom.set_ylabel("MiB")
+    other = bottom.twinx()
+    other.plot(at, [s["backlog"] for s in sizes], "--", color="tab:red", label="backlog (jobs)")
+    other.set_ylabel("runnable backlog (jobs)")
+    bottom.legend(loc="upper left", fontsize=8)
+    other.legend(loc="lower right", fontsize=8)
+
+
 def write_plot(results: dict[str, Any], path: str) -> str | None:
-    """Draw the plot into ``path`` (and W10's, when measured, into ``<path>-w10.png``);
-    returns why it was skipped, or None when written."""
+    """Draw the plot into ``path`` (and W10's and the soak's, when measured, into
+    ``<path>-w10.png`` and ``<path>-soak.png``); returns why it was skipped, or None when
+    written."""
     try:
         import matplotlib
 
@@ -41,8 +68,15 @@ def write_plot(results: dict[str, Any], path: str) -> str | None:
         fig.tight_layout()
         fig.savefig(path.removesuffix(".png") + "-w10.png", dpi=110)
         plt.close(fig)
-        if not sj.get("w2") and not sj.get("w3"):
-            return None
+    soak = sj.get("soak", {})
+    if soak.get("sizes"):
+        fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+        _soak(axes, soak)
+        fig.tight_layout()
+        fig.savefig(path.removesuffix(".png") + "-soak.png", dpi=110)
+        plt.close(fig)
+    if (scaling or soak) and not sj.get("w2") and not sj.get("w3"):
+        return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     by = sj.get("w2", {}).get("by_concurrency", {})
     if by:

@@ -22,13 +22,16 @@ from . import (
     raw,
     retry_storm,
     scaling,
+    soak,
 )
 from .common import Settings, connect, server_answers
 from .peers.runner import PEERS, run_peer
-from .report import ratios, targets
+from .report import dig, ratios, targets
 
 SCENARIOS = ("ceiling", "raw", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "w10",
              "memory", "dashboard")
+# Run only when named in --only: the soak takes 20 minutes at scale 1.
+OPTIONAL = ("soak",)
 
 
 def machine(settings: Settings) -> dict[str, Any]:
@@ -69,8 +72,10 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
         "w8": lambda: history.run(settings),
         "memory": lambda: drain.memory(settings),
         "dashboard": lambda: dashboard.run(settings),
+        "soak": lambda: soak.run(settings, dig(sj, ("w2", "by_concurrency", "10",
+                                                     "jobs_per_s"))),
     }
-    for name in SCENARIOS:
+    for name in SCENARIOS + OPTIONAL:
         if name in only:
             t0 = time.monotonic()
             sj[name] = _attempt(settings, name, steps[name])
@@ -79,7 +84,7 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
         "skipjack_version": importlib.metadata.version("skipjack"),
         "settings": {"scale": settings.scale, "runs": settings.runs, "quick": settings.quick,
                      "metrics": settings.metrics,
-                     "scenarios": [s for s in SCENARIOS if s in only],
+                     "scenarios": [s for s in SCENARIOS + OPTIONAL if s in only],
                      "compare": list(compare)},
         "machine": host,
         "skipjack": sj,

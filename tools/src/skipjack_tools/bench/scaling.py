@@ -33,15 +33,18 @@ SELECT wait_event_type, wait_event, count(*) FROM pg_stat_activity
 """
 
 
-def _probe(app: App, stop: threading.Event, seen: list[float]) -> None:
-    """Claim one job every 10 ms and complete it; the claims' round trips in ms."""
+def claim_probe(app: App, stop: threading.Event, seen: list[tuple[float, float]],
+                every: float = 0.01, started: float = 0.0) -> None:
+    """Until ``stop``: claim one job every ``every`` seconds with skipjack's own claim
+    statement and complete it; appends (seconds since ``started`` on the monotonic clock,
+    the claim's round trip in ms) to ``seen``."""
     q = app.queries
     params = claim_params("bench", 1, lease=30.0, worker="probe")
     with connect(app.dsn) as conn:
-        while not stop.wait(0.01):
-            started = time.perf_counter()
+        while not stop.wait(every):
+            t0 = time.monotonic()
             rows = conn.execute(q.CLAIM, params).fetchall()
-            seen.append((time.perf_counter() - started) * 1000)
+            seen.append((t0 - started, (time.monotonic() - t0) * 1000))
             if rows:
                 conn.execute(q.RECORD_OUTCOMES, outcome_params(
                     [Outcome(r[0], r[7], r[1], "complete") for r in rows]))
@@ -57,14 +60,14 @@ def _sample_waits(app: App, stop: threading.Event, waits: Counter[str]) -> None:
 def _once(settings: Settings, jobs: int, processes: int) -> dict[str, Any]:
     with fresh_app(settings.dsn, "w10") as app:
         noop = register(app)["noop"]
-        claims: list[float] = []
+        claims: list[tuple[float, float]] = []
         waits: Counter[str] = Counter()
         stop = threading.Event()
         workers = WorkerProcesses(app, processes, "--concurrency", str(CONCURRENCY))
         counter = StateCounter(app)
         try:
             workers.wait_listening()
-            helpers = [threading.Thread(target=_probe, args=(app, stop, claims)),
+            helpers = [threading.Thread(target=claim_probe, args=(app, stop, claims)),
                        threading.Thread(target=_sample_waits, args=(app, stop, waits))]
             for helper in helpers:
                 helper.start()
@@ -78,7 +81,7 @@ def _once(settings: Settings, jobs: int, processes: int) -> dict[str, Any]:
             counter.close()
             workers.stop()
         done, span = drain_span(app)
-    return {"jobs_per_s": rate(done, span), "claim_ms": percentiles(claims),
+    return {"jobs_per_s": rate(done, span), "claim_ms": percentiles([ms for _, ms in claims]),
             "wait_events": dict(waits.most_common(8))}
 
 

@@ -1,0 +1,147 @@
+"""Soak: a steady rate for a long time (20 minutes at scale 1), to show that nothing degrades.
+
+One ``skipjack worker`` process with its default settings (concurrency 10, the adaptive
+prefetch) serves jobs enqueued at half of the W2 drain rate at concurrency 10 measured in
+the same run (or measured here first), in batches every 100 ms from this process. The
+worker's retention is a quarter of the run (5 minutes at scale 1) instead of the default 7
+days, so the table reaches its steady size (the retention window) within the run and the
+last three quarters show whether it then stops growing.
+
+Measured:
+
+- the claim latency a client sees, from a probe claiming one job every 50 ms with
+  skipjack's own claim statement (see ``scaling.claim_probe``): p50 and p99 per 30 s, and
+  the p99 of the first and of the last window (a quarter of the run) with their ratio
+  (target: the last within 1.2x of the first);
+- every 10 s: the jobs table's size and its indexes' (bytes), live and dead rows, the
+  runnable backlog, the jobs enqueued so far, and autovacuum's runs on the table;
+- growth: the table + index size at the end over its size at half time (1.0: flat).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from psycopg import sql
+
+from skipjack.app import App
+
+from . import drain
+from .common import Settings, connect, fresh_app, percentiles
+from .scaling import claim_probe
+from .tasks import register
+from .worker_run import WorkerProcesses
+
+DURATION = 1200.0  # seconds at scale 1
+TICK = 0.1  # seconds between enqueue batches
+SAMPLE_EVERY = 10.0  # seconds between size samples
+BIN = 30.0  # seconds per claim-latency point of the series
+SIZES = """
+SELECT pg_table_size(c.oid), pg_indexes_size(c.oid), s.n_live_tup, s.n_dead_tup,
+       s.autovacuum_count,
+       (SELECT count(*) FROM {jobs} WHERE state = 'available')
+  FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid
+ WHERE c.oid = %s::regclass
+"""
+
+
+def _enqueue_steadily(app: App, per_second: float, seconds: float, stop: threading.Event,
+                      sent: list[int]) -> None:
+    """Enqueue ``per_second`` no-op jobs a second for ``seconds``, one batch every TICK; a
+    batch that falls behind is made up by the next (the offered load stays steady)."""
+    noop = app.tasks["bench.noop"]
+    started = time.monotonic()
+    total = 0
+    while not stop.is_set() and (elapsed := time.monotonic() - started) < seconds:
+        due = round(per_second * min(elapsed + TICK, seconds)) - total
+        if due > 0:
+            app.enqueue_many([noop.job() for _ in range(due)])
+            total += due
+            sent[0] = total
+        stop.wait(max(0.0, started + elapsed + TICK - time.monotonic()))
+
+
+def _sample_sizes(app: App, started: float, stop: threading.Event, sent: list[int],
+                  out: list[dict[str, Any]]) -> None:
+    """Every SAMPLE_EVERY seconds until ``stop``: the table's sizes and rows (see SIZES)."""
+    query = sql.SQL(SIZES).format(jobs=sql.Identifier(app.schema, "jobs"))
+    with connect(app.dsn) as conn:
+        table = sql.Identifier(app.schema, "jobs").as_string(conn)
+        while True:
+            row = conn.execute(query, [table]).fetchone()
+            if row:
+                out.append({"t": round(time.monotonic() - started, 1), "table_bytes": row[0],
+                            "index_bytes": row[1], "live_rows": row[2], "dead_rows": row[3],
+                            "autovacuum_runs": row[4], "backlog": row[5],
+                            "enqueued": sent[0]})
+            if stop.wait(SAMPLE_EVERY):
+                return
+
+
+def _window_p99(claims: list[tuple[float, float]], start: float, end: float) -> float | None:
+    return percentiles([ms for t, ms in claims if start <= t < end])["p99"]
+
+
+def run(settings: Settings, w2_at_10: float | None = None) -> dict[str, Any]:
+    """The soak run (see the module's doc). ``w2_at_10``: the W2 drain rate at concurrency
+    10 measured earlier in this run, in jobs/s; measured here when None."""
+    seconds = 20.0 if settings.quick else max(60.0, DURATION * settings.scale)
+    window = seconds / 4
+    if not w2_at_10:
+        settings.log("soak: measuring the W2 drain rate at concurrency 10 first")
+        w2_at_10 = drain.drain_rate(settings, settings.n(10_000), 10)
+    per_second = round((w2_at_10 or 1000.0) / 2)
+    settings.log(f"soak: {seconds:.0f} s at {per_second:,} jobs/s (half of W2 at "
+                 f"concurrency 10), retention {window:.0f} s")
+    claims: list[tuple[float, float]] = []
+    samples: list[dict[str, Any]] = []
+    sent = [0]
+    with fresh_app(settings.dsn, "soak") as app:
+        register(app)
+        workers = WorkerProcesses(app, 1, "--retention", f"{window:g}s")
+        stop = threading.Event()
+        try:
+            workers.wait_listening()
+            started = time.monotonic()
+            helpers = [
+                threading.Thread(target=_enqueue_steadily,
+                                 args=(app, per_second, seconds, stop, sent)),
+                threading.Thread(target=claim_probe,
+                                 args=(app, stop, claims, 0.05, started)),
+                threading.Thread(target=_sample_sizes,
+                                 args=(app, started, stop, sent, samples)),
+            ]
+            for helper in helpers:
+                helper.start()
+            helpers[0].join()  # the enqueuer ends after ``seconds``
+            stop.set()
+            for helper in helpers[1:]:
+                helper.join()
+            if workers.procs[0].poll() is not None:
+                raise RuntimeError("the soak's worker process exited during the run")
+        finally:
+            stop.set()
+            workers.stop()
+    first, last = _window_p99(claims, 0, window), _window_p99(claims, seconds - window,
+                                                                seconds)
+    series = []
+    t = 0.0
+    while t < seconds:
+        values = [ms for at, ms in claims if t <= at < t + BIN]
+        p = percentiles(values)
+        series.append({"t": t, "p50_ms": p["p50"], "p99_ms": p["p99"], "claims": len(values)})
+        t += BIN
+    total = [s["table_bytes"] + s["index_bytes"] for s in samples]
+    half = next((x for s, x in zip(samples, total, strict=True) if s["t"] >= seconds / 2),
+                None)
+    return {
+        "seconds": seconds, "jobs_per_s": per_second, "retention_s": window,
+        "enqueued": sent[0],
+        "claim_p99_first_ms": first, "claim_p99_last_ms": last,
+        "claim_p99_last_over_first": round(last / first, 2) if first and last else None,
+        "size_end_over_half": round(total[-1] / half, 2) if half and total else None,
+        "size_end_bytes": total[-1] if total else None,
+        "claim_ms": series, "sizes": samples,
+    }
