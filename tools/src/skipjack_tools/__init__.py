@@ -5,6 +5,6 @@ chaos`` and ``skipjack bench`` load their commands from here when they are invok
 
 Modules: :mod:`.commands` (the ``demo`` and ``chaos`` commands), :mod:`.demo` (webhook
 delivery to a flaky receiver), :mod:`.chaos` (a workload under injected faults, then an
-audit), :mod:`.bench` (the benchmark suite and its ``bench`` command), :mod:`.sql` (the SQL
-only these tools run).
+audit), :mod:`.bench` (the benchmark suite and its ``bench`` command), :mod:`.ha` (a
+throwaway Patroni cluster for the failover test), :mod:`.sql` (the SQL only these tools run).
 """
