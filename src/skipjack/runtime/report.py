@@ -9,14 +9,21 @@ Log lines carry their facts as structured fields (``logging`` extras: ``job_id``
 ``error_type``, ``error``, ``retry_in`` and ``retry_at``), which
 ``skipjack.logs.JsonFormatter`` prints. Levels: a success, cancellation, snooze or
 release is INFO; a failure that will be retried, and a stale write, WARNING; a job sent to
-the dead letter, ERROR. A busy worker can turn the success lines down with the level of
-``skipjack.jobs`` alone (``--log-level skipjack.jobs=WARNING``).
+the dead letter, ERROR.
+
+Success lines are at most ``SUCCESS_LINES_PER_SECOND`` a second: past that, one line at the
+start of the next second says how many more succeeded (a line costs the worker about 20 µs
+of CPU, a third of a no-op job's whole cost; docs/performance.md, "What a user's worker
+does"). At DEBUG every success has its line; ``--log-level skipjack.jobs=WARNING`` drops
+them all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -31,6 +38,8 @@ log = logging.getLogger("skipjack.jobs")
 
 # Characters of an exception's message in a log line (the job's errors keep 4,000).
 ERROR_LOG_CHARS = 500
+# Success lines a second at INFO (see the module's doc).
+SUCCESS_LINES_PER_SECOND = 100
 
 # The WorkerStats field each recorded outcome counts in.
 _COUNTERS: dict[AttemptOutcome, str] = {
@@ -70,9 +79,14 @@ class Reporter:
         stats: the worker's counters.
     """
 
-    def __init__(self, hooks: Hooks, stats: WorkerStats) -> None:
+    def __init__(self, hooks: Hooks, stats: WorkerStats,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._hooks = hooks
         self._stats = stats
+        self._clock = clock
+        self._second = -1  # the second (of ``clock``) the success lines are counted in
+        self._lines = 0  # success lines written in it
+        self._unlogged = 0  # successes without a line in it
 
     def recorded(self, o: Outcome, state: str | None, run_at: datetime | None = None) -> None:
         """An outcome was written (``state``: the job's new state, ``run_at``: when it is
@@ -80,7 +94,7 @@ class Reporter:
         if state is not None and o.kind == "complete":  # a success, the common case
             self._stats.succeeded += 1
             if log.isEnabledFor(logging.INFO):
-                _log(logging.INFO, o, "succeeded", None)
+                self._log_success(o)
             if self._hooks.on_ended and o.job is not None:
                 self._hooks.ended(Attempt(o.job, "succeeded", o.ran))
             return
@@ -90,6 +104,29 @@ class Reporter:
         if outcome not in ("retried", "snoozed", "released"):
             run_at = None
         self._end(o, outcome, run_at)
+
+    def _log_success(self, o: Outcome) -> None:
+        """The success's line, unless SUCCESS_LINES_PER_SECOND were written this second
+        (and DEBUG is off): it is then counted, and said at the next second."""
+        second = int(self._clock())
+        if second != self._second:
+            self.say_unlogged()
+            self._second, self._lines = second, 0
+        if self._lines < SUCCESS_LINES_PER_SECOND or log.isEnabledFor(logging.DEBUG):
+            self._lines += 1
+            _log(logging.INFO, o, "succeeded", None)
+        else:
+            self._unlogged += 1
+
+    def say_unlogged(self) -> None:
+        """Log how many successes had no line of their own since the last such line (at
+        most SUCCESS_LINES_PER_SECOND lines a second); nothing if none."""
+        if self._unlogged:
+            log.info("%d more jobs succeeded without a line each (at most %d such lines a "
+                     "second; --log-level skipjack.jobs=DEBUG logs every one)", self._unlogged,
+                     SUCCESS_LINES_PER_SECOND,
+                     extra={"outcome": "succeeded", "count": self._unlogged})
+            self._unlogged = 0
 
     def lost(self, job: Job, ran: float | None, error: BaseException | None) -> None:
         """The handler of ``job`` ended after the worker lost its lease: nothing is written

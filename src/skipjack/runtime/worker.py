@@ -374,6 +374,7 @@ class Worker:
             # it removes this worker's registry row as it ends
             await asyncio.to_thread(self._maintenance.join, MAINTENANCE_STOP_TIMEOUT)
             await self._executor.close()
+            self._report.say_unlogged()
             log.info("worker %s stopped: %s", self.name, self.stats,
                      extra={"worker": self.name, **asdict(self.stats)})
         if failure is not None:

@@ -7,18 +7,17 @@ import time
 from typing import Any
 
 from . import raw
-from .common import Settings, drain_span, fresh_app, payload, rate, repeat, wait_for
+from .common import QUEUE, Settings, drain_span, fresh_app, payload, rate, repeat, wait_for
 from .tasks import register
-from .worker_run import StateCounter, WorkerProcesses, drain_with_worker, with_metrics
+from .worker_run import StateCounter, WorkerProcesses, drain_with_process
 
 
 def _drain_once(settings: Settings, jobs: int, concurrency: int) -> dict[str, Any]:
     with fresh_app(settings.dsn, "w2") as app:
         noop = register(app)["noop"]
         app.enqueue_many(noop.job(i=i) for i in range(jobs))
-        if settings.metrics:
-            with_metrics(app)
-        drain_with_worker(app, jobs, concurrency=concurrency, timeout=60 + jobs / 200)
+        drain_with_process(app, jobs, "--concurrency", str(concurrency),
+                           timeout=60 + jobs / 200, metrics=settings.metrics)
         done, span = drain_span(app)
     return {"jobs_per_s": rate(done, span), "seconds": round(span or 0, 3)}
 
@@ -30,13 +29,26 @@ def drain_rate(settings: Settings, jobs: int, concurrency: int) -> float | None:
 
 
 def _drain_cost(settings: Settings, jobs: int, concurrency: int) -> dict[str, Any]:
-    """What one job of a W2 drain costs: the server's and this process's (the worker's)
-    CPU, WAL bytes and commits (see :func:`raw.cost`)."""
+    """What one job of a W2 drain costs: the server's and the worker process's CPU (from
+    its start-up on, which is not counted: the queue is paused until the worker listens),
+    WAL bytes and commits (see :func:`raw.cost`)."""
     with fresh_app(settings.dsn, "w2cost") as app:
         noop = register(app)["noop"]
+        app.pause_queue(QUEUE)
         app.enqueue_many(noop.job(i=i) for i in range(jobs))
-        return raw.cost(app.dsn, jobs, lambda: drain_with_worker(
-            app, jobs, concurrency=concurrency, timeout=60 + jobs / 200))
+        workers = WorkerProcesses(app, 1, "--concurrency", str(concurrency), logged=True)
+        counter = StateCounter(app)
+
+        def drain() -> None:
+            app.resume_queue(QUEUE)
+            wait_for(lambda: counter() >= jobs, 60 + jobs / 200, what="W2 cost jobs")
+
+        try:
+            workers.wait_listening()
+            return raw.cost(app.dsn, jobs, drain, client_pid=workers.procs[0].pid)
+        finally:
+            counter.close()
+            workers.stop()
 
 
 def w2(settings: Settings, concurrencies: tuple[int, ...] = (1, 10, 100)) -> dict[str, Any]:
@@ -68,9 +80,8 @@ def _two_ms_once(settings: Settings, jobs: int, processes: int) -> dict[str, Any
         sleep = register(app)["sleep"]
         if processes == 1:
             app.enqueue_many(sleep.job(seconds=0.002) for _ in range(jobs))
-            if settings.metrics:
-                with_metrics(app)
-            drain_with_worker(app, jobs, concurrency=8, timeout=60 + jobs / 50)
+            drain_with_process(app, jobs, "--concurrency", "8", timeout=60 + jobs / 50,
+                               metrics=settings.metrics)
         else:
             workers = WorkerProcesses(app, processes, "--concurrency", "1",
                                       metrics=settings.metrics)

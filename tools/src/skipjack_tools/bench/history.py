@@ -6,7 +6,9 @@ autovacuum's work is done once (``VACUUM ANALYZE``). The bench then checks the c
 (no sequential scan) and times skipjack's own claim statement (batches of 10, each followed
 by the batched completion) on one connection: first on the quiet table, then while another
 session holds a REPEATABLE READ snapshot open for 60 s and jobs keep flowing (2,000 a second
-enqueued, claimed and completed), so dead rows pile up that vacuum may not remove.
+enqueued, claimed and completed), so dead rows pile up that vacuum may not remove. Last,
+it prunes the finished jobs as a worker's pruner does, and reports the rate and the cost
+per pruned job.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from skipjack.admin import BATCH, prune
 from skipjack.app import App
 from skipjack.outcome import Outcome, outcome_params
 from skipjack.sql.claim import claim_params
 
-from .common import Settings, connect, fresh_app, payload, percentiles
+from . import raw
+from .common import Settings, connect, fresh_app, payload, percentiles, rate
 from .tasks import register
 
 FILL = """
@@ -88,6 +92,23 @@ def _plan(app: App, conn: psycopg.Connection[Any]) -> dict[str, Any]:
             "uses_claim_index": "jobs_claim_idx" in text}
 
 
+def _prune_cost(app: App, jobs: int) -> dict[str, Any]:
+    """Delete the ``jobs`` finished jobs as the worker's pruner does (batches of
+    ``skipjack.admin.BATCH``, each its own transaction, until a batch comes back short):
+    jobs/s and the cost per job (see ``raw.cost``)."""
+    elapsed: list[float] = []
+
+    def prune_all() -> None:
+        with connect(app.dsn) as conn:
+            started = time.monotonic()
+            while prune(conn, app.queries, retention=3600.0) >= BATCH:
+                pass
+            elapsed.append(time.monotonic() - started)
+
+    per_job = raw.cost(app.dsn, jobs, prune_all)
+    return {"jobs": jobs, "jobs_per_s": rate(jobs, elapsed[0]), "per_job": per_job}
+
+
 def run(settings: Settings) -> dict[str, Any]:
     """W8 (a single run)."""
     history, future, runnable = (settings.n(1_000_000, 1000), settings.n(100_000, 100),
@@ -119,6 +140,8 @@ def run(settings: Settings) -> dict[str, Any]:
             after_plan = _plan(app, conn)
         finally:
             holder.close()
+        settings.log(f"W8 history: pruning the {history} finished jobs as a worker does")
+        pruned = _prune_cost(app, history)
     return {
         "finished_jobs": history, "future_jobs": future, "runnable_jobs": runnable,
         "payload_bytes": 2400, "load_seconds": round(load_s, 1),
@@ -129,5 +152,6 @@ def run(settings: Settings) -> dict[str, Any]:
         "claim_ms_during_snapshot": {**percentiles(held), "claims": len(held)},
         "claim_ms_end_of_snapshot": {**percentiles(tail), "claims": len(tail)},
         "plan_after_snapshot": after_plan,
+        "prune": pruned,
         "p99_ms": percentiles(quiet)["p99"],
     }

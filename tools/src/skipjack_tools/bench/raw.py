@@ -79,14 +79,26 @@ def _server_cpu(conn: psycopg.Connection[Any]) -> float | None:
     return total / tick
 
 
-def cost(dsn: str, jobs: int, run: Callable[[], object]) -> dict[str, Any]:
-    """What ``run`` cost per job: server and client CPU (µs), WAL bytes, commits."""
+def _client_cpu(pid: int | None) -> float:
+    """CPU seconds used so far by this process, or by the live process ``pid``."""
+    if pid is None:
+        return time.process_time()
+    fields = _stat(pid)
+    if fields is None:
+        raise RuntimeError(f"process {pid} is gone: its CPU cannot be read")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cost(dsn: str, jobs: int, run: Callable[[], object],
+         client_pid: int | None = None) -> dict[str, Any]:
+    """What ``run`` cost per job: server and client CPU (µs; the client: this process, or
+    the live process ``client_pid``, e.g. a worker), WAL bytes, commits."""
     with connect(dsn) as conn:
         commits, lsn = conn.execute(COUNTERS).fetchone()  # type: ignore[misc]
         server = _server_cpu(conn)
-        client = time.process_time()
+        client = _client_cpu(client_pid)
         run()
-        client = time.process_time() - client
+        client = _client_cpu(client_pid) - client
         # measured before the backends of the run end, then the commits once flushed
         server_after = _server_cpu(conn)
         wal = conn.execute(WAL_SINCE, [lsn]).fetchone()[0]  # type: ignore[index]

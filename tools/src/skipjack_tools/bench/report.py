@@ -123,6 +123,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         late = dig(sj, ("w9", kind, "p99_ms"))
         out.append(_target(f"W9 {kind} jobs' lateness p99 (ms)", late, "< 50",
                            None if late is None else late < 50))
+    if "soak" in sj:
+        kept = sj["soak"]["kept_up"]
+        out.append(_target("soak: the worker kept up (last window's backlog, jobs)",
+                           sj["soak"]["backlog_last_max"], "< one second's jobs", kept))
     soak = dig(sj, ("soak", "claim_p99_last_over_first"))
     out.append(_target("soak: claim p99, last window / first", soak, "<= 1.2",
                        None if soak is None else soak <= 1.2))
@@ -237,6 +241,12 @@ def _other_table(sj: dict[str, Any]) -> Table:
                   f"{_fmt(w8['claim_ms_during_snapshot']['p50'], 2)}, p99 "
                   f"{_fmt(w8['claim_ms_during_snapshot']['p99'], 2)}; seq scan: "
                   f"{w8['plan']['seq_scan']}")
+        pruned = w8.get("prune")
+        if pruned:
+            cost = pruned["per_job"]
+            t.add_row("W8 prune of the history",
+                      f"{_fmt(pruned['jobs_per_s'], 0)} jobs/s; per job: server CPU "
+                      f"{_fmt(cost['server_cpu_us'], 1)} µs, WAL {_fmt(cost['wal_bytes'], 0)} B")
     limits = sj.get("raw")
     if limits:
         t.add_row("raw limits (jobs/s)",

@@ -15,7 +15,8 @@ Measured:
   (target: the last within 1.2x of the first);
 - every 10 s: the jobs table's size and its indexes' (bytes), live and dead rows, the
   runnable backlog, the jobs enqueued so far, and autovacuum's runs on the table;
-- growth: the table + index size at the end over its size at half time (1.0: flat).
+- growth: the table + index size at the end over its size at half time (1.0: flat);
+- whether the worker kept up: the backlog of the last window under one second's jobs.
 """
 
 from __future__ import annotations
@@ -136,9 +137,14 @@ def run(settings: Settings, w2_at_10: float | None = None) -> dict[str, Any]:
     total = [s["table_bytes"] + s["index_bytes"] for s in samples]
     half = next((x for s, x in zip(samples, total, strict=True) if s["t"] >= seconds / 2),
                 None)
+    late = [x["backlog"] for x in samples if x["t"] >= seconds - window]
     return {
         "seconds": seconds, "jobs_per_s": per_second, "retention_s": window,
         "enqueued": sent[0],
+        # the worker kept up: the runnable backlog of the last window stayed under one
+        # second's worth of jobs
+        "backlog_last_max": max(late, default=None),
+        "kept_up": bool(late) and max(late) <= per_second,
         "claim_p99_first_ms": first, "claim_p99_last_ms": last,
         "claim_p99_last_over_first": round(last / first, 2) if first and last else None,
         "size_end_over_half": round(total[-1] / half, 2) if half and total else None,

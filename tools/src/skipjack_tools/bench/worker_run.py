@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -63,30 +64,24 @@ def run_worker(app: App, *, concurrency: int, until: Callable[[], Awaitable[Any]
     return worker
 
 
-def drain_with_worker(app: App, jobs: int, *, concurrency: int, timeout: float,
-                      **options: Any) -> Worker:
-    """Run an in-process worker until ``jobs`` jobs succeeded."""
+def drain_with_process(app: App, jobs: int, *extra: str, timeout: float,
+                       metrics: bool = False) -> None:
+    """Run one ``skipjack worker`` process (its default settings, ``extra`` options, its log
+    written to a file) until ``jobs`` jobs succeeded, then stop it (SIGTERM, waited for).
+
+    Raises:
+        TimeoutError: the jobs took longer than ``timeout`` seconds.
+    """
+    workers = WorkerProcesses(app, 1, *extra, metrics=metrics, logged=True)
     counter = StateCounter(app)
-
-    async def until() -> None:
-        while await asyncio.to_thread(counter) < jobs:
-            await asyncio.sleep(0.05)
-
     try:
-        return run_worker(app, concurrency=concurrency, until=until, timeout=timeout, **options)
+        wait_for(lambda: counter() >= jobs or workers.procs[0].poll() is not None, timeout,
+                 what=f"{jobs} jobs done by a worker process")
+        if workers.procs[0].poll() is not None:
+            raise RuntimeError("the benchmark's worker process exited early")
     finally:
         counter.close()
-
-
-def with_metrics(app: App) -> App:
-    """``app`` counting its attempts into Prometheus metrics (a registry of its own), as
-    ``skipjack worker --metrics-port`` does."""
-    from prometheus_client import CollectorRegistry
-
-    from skipjack.metrics import MetricsHook
-
-    app.add_hook(MetricsHook(CollectorRegistry()))
-    return app
+        workers.stop()
 
 
 def _metrics_options() -> list[str]:
@@ -94,17 +89,30 @@ def _metrics_options() -> list[str]:
 
 
 class WorkerProcesses:
-    """``python -m skipjack worker skipjack_tools.bench.tasks:app`` child processes."""
+    """``python -m skipjack worker skipjack_tools.bench.tasks:app`` child processes.
 
-    def __init__(self, app: App, count: int, *extra: str, metrics: bool = False) -> None:
+    Args:
+        app: the benchmark's app (its DSN and schema).
+        count: how many processes.
+        extra: more ``skipjack worker`` options.
+        metrics: each serves Prometheus metrics on a port of its own.
+        logged: each writes its log (skipjack's default: INFO) to a temporary file, as a
+            user's worker writes to a file or a journal; else the log is discarded unread
+            (the file is removed by ``stop``).
+    """
+
+    def __init__(self, app: App, count: int, *extra: str, metrics: bool = False,
+                 logged: bool = False) -> None:
         env = {**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn}
         cmd = [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema,
                "worker", "skipjack_tools.bench.tasks:app", "--queue", QUEUE, *extra]
         self.app = app
+        self._logs = [tempfile.TemporaryFile() for _ in range(count)] if logged else []
         self.procs = [subprocess.Popen([*cmd, *(_metrics_options() if metrics else [])],
                                        env=env, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                      for _ in range(count)]
+                                       stdout=subprocess.DEVNULL,
+                                       stderr=self._logs[i] if logged else subprocess.DEVNULL)
+                      for i in range(count)]
 
     def wait_listening(self, timeout: float = 60) -> None:
         """Wait until every process listens for notifications (it is then idle and ready)."""
@@ -133,3 +141,5 @@ class WorkerProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for log_file in self._logs:
+            log_file.close()
