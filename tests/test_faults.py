@@ -70,6 +70,30 @@ def test_stalled_worker_is_fenced_and_cancelled(tasks: App, tmp_path: Path, task
         assert exec_counts(tasks.dsn, tasks.schema, "finish") == {job_id: 1}
 
 
+def test_lease_is_given_up_while_its_renewal_hangs(tasks: App, tmp_path: Path) -> None:
+    """A renewal that hangs (here behind a lock on the jobs table; on a network that drops
+    packets silently, for as long as the TCP timeouts allow) does not keep a handler running
+    past its lease: the worker takes the job from its handler while the renewal still
+    waits. Once the lock is released the job is rescued and runs again; its effect exists
+    once."""
+    (job_id,) = enqueue(tasks, "async_effect", seconds=60)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log") as w:
+        wait_until(lambda: exec_counts(tasks.dsn, tasks.schema) == {job_id: 1}, timeout=30,
+                   what="the job started")
+        with psycopg.connect(tasks.dsn) as locker:  # a transaction: the lock is held
+            locker.execute(psycopg.sql.SQL("LOCK TABLE {}.jobs IN ACCESS EXCLUSIVE MODE")
+                           .format(psycopg.sql.Identifier(tasks.schema)))
+            wait_until(lambda: f"job {job_id}: lease expired" in w.log(), timeout=30,
+                       what="the handler cancelled while the renewal waits for the lock")
+            locker.rollback()
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=30,
+                   what="the job rescued and run again")
+    assert "cancelling its handler" in w.log()
+    assert effect_counts(tasks.dsn, tasks.schema) == {job_id: 1}
+    assert exec_counts(tasks.dsn, tasks.schema, "finish") == {job_id: 1}  # attempt 2 only
+    assert (tasks.get_job(job_id) or {})["attempt"] == 2
+
+
 def test_transient_error_on_completion_write_is_retried(tasks: App, tmp_path: Path) -> None:
     """The first three outcome writes fail inside the server; the completer retries on a fresh
     connection and no job stays running or runs twice."""
