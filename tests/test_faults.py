@@ -138,6 +138,23 @@ def test_timeouts_set_low_for_the_worker_session(tasks: App, tmp_path: Path) -> 
     assert "statement timeout" in error
 
 
+def test_tcp_timeouts_the_dsn_sets_are_kept(tasks: App) -> None:
+    """skipjack's TCP timeouts and keepalives are defaults: a DSN that sets its own (to
+    notice a network partition sooner, say) keeps them, on every connection and pool."""
+    dsn = psycopg.conninfo.make_conninfo(tasks.dsn, tcp_user_timeout=4000, keepalives_idle=2)
+    app = App(dsn, schema=tasks.schema)
+    try:
+        with app.connect() as conn:
+            given = conn.info.get_parameters()
+        assert (given["tcp_user_timeout"], given["keepalives_idle"]) == ("4000", "2")
+        assert given["keepalives_interval"] == "5"  # the DSN does not set it: skipjack's
+        assert "tcp_user_timeout" not in app.db.connect_kwargs  # what pools are given
+    finally:
+        app.close()
+    with tasks.connect() as conn:
+        assert conn.info.get_parameters()["tcp_user_timeout"] == "30000"
+
+
 def test_heavy_notification_stream_does_not_starve_pickup(tasks: App, tmp_path: Path) -> None:
     stop = threading.Event()
 
