@@ -35,13 +35,13 @@ TASKS = ("sleep", "effect", "async_effect", "effect_until_cancelled")
 def network() -> Iterator[tuple[Network, PrivateServer]]:
     why = hosts.unavailable()
     if why:
-        pytest.skip(f"simulated hosts: {why}")
+        pytest.skip(why)
     stack = contextlib.ExitStack()
     try:
         made = stack.enter_context(hosts.hosts_with_server(2))
     except HostsUnavailable as exc:
         stack.close()
-        pytest.skip(f"simulated hosts: {exc}")
+        pytest.skip(f"simulated hosts cannot be made here: {exc}")
     with stack:
         yield made
 
@@ -231,7 +231,7 @@ def check_outcomes(scene: Scene, later: list[int]) -> None:
     assert all(finished[j] == {a.pid} for j in later)
 
 
-def test_partitioned_host_is_fenced_and_rejoins(network: tuple[Network, PrivateServer],
+def test_fc39_partitioned_host_is_fenced_and_rejoins(network: tuple[Network, PrivateServer],
                                                 app: App, tmp_path: Path) -> None:
     """Host A's traffic is dropped silently (no RST: its connections just hang) while it runs
     jobs, for longer than their lease. Leases here are 2 s (heartbeat 0.3 s, rescues every
@@ -255,7 +255,7 @@ def test_partitioned_host_is_fenced_and_rejoins(network: tuple[Network, PrivateS
     check_outcomes(scene, later)
 
 
-def test_host_cut_off_past_its_tcp_timeouts_reconnects(network: tuple[Network, PrivateServer],
+def test_fc39_host_cut_off_past_its_tcp_timeouts_reconnects(network: tuple[Network, PrivateServer],
                                                        app: App, tmp_path: Path) -> None:
     """As above, but the partition lasts until A's connections have timed out. A's DSN sets
     short TCP timeouts (tcp_user_timeout 2 s, keepalives after 1 s idle, 1 s apart, 2 of

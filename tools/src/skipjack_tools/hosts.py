@@ -162,6 +162,7 @@ class Network:
         self._delay = delay
         self._lock: IO[bytes] | None = None
         self._wire: subprocess.Popen[bytes] | None = None
+        self._delays = [0.0] * count
 
     def __enter__(self) -> Network:
         why = unavailable()
@@ -222,6 +223,11 @@ class Network:
         if not 0 <= seconds <= 10:
             raise ValueError(f"delay: {seconds} seconds is out of range 0..10")
         self._tell(f"delay {host.index} {seconds!r}")
+        self._delays[host.index] = seconds
+
+    def delay(self, host: Host) -> float:
+        """The seconds each packet to and from ``host`` is delayed now (each way)."""
+        return self._delays[host.index]
 
     def partition(self, host: Host) -> None:
         """Cut ``host`` off: from now on every packet to or from it is dropped silently
@@ -275,14 +281,14 @@ def _lock(path: Path) -> IO[bytes]:
 
 def remove_leftovers(directory: Path | None = None) -> None:
     """Remove what a run of ``Network`` killed before its clean-up left, by the names it
-    uses: processes in namespaces ``skipjack-h*`` (SIGKILL, by pid), those namespaces,
-    devices ``sjh*`` and a private server in ``directory`` (stopped, its files removed).
-    Call it only while holding the lock (``Network`` does)."""
+    uses: processes in namespaces ``skipjack-h<i>`` (SIGKILL, by pid), those namespaces
+    (and ``unavailable``'s probe), devices ``sjh*``, and a private server in ``directory``
+    (stopped, its files removed). Call it only while holding the lock (``Network`` does)."""
     directory = directory or base_dir()
     listed = _run("ip", "netns", "list", check=False).stdout
     names = [line.split()[0] for line in listed.splitlines() if line.strip()]
     for name in names:
-        if not re.fullmatch(re.escape(NETNS_PREFIX) + r"\d+", name):
+        if not re.fullmatch(re.escape(NETNS_PREFIX) + r"(probe)?\d+", name):
             continue
         pids = _run("ip", "netns", "pids", name, check=False).stdout.split()
         for pid in pids:
