@@ -244,6 +244,15 @@ def _other_table(sj: dict[str, Any]) -> Table:
         t.add_row(f"W10 {n} process(es) x 50",
                   f"{_fmt(v['jobs_per_s'], 0)} jobs/s; claim p50 {_fmt(v['claim_ms']['p50'], 2)}"
                   f" ms, p99 {_fmt(v['claim_ms']['p99'], 2)} ms; waits: {waits}")
+    over_network = sj.get("hosts", {})
+    if "skipped" in over_network:
+        t.add_row("hosts skipped", escape(str(over_network["skipped"])))
+    for delay, v in over_network.get("by_delay", {}).items():
+        by = ", ".join(f"{n}: {_fmt(r['jobs_per_s'], 0)}" for n, r in v["by_hosts"].items())
+        one = v.get("one_per_claim", {}).get("jobs_per_s")
+        t.add_row(f"hosts, {delay} ms added each way (jobs/s)",
+                  f"by hosts {by}; one job per claim: {_fmt(one, 0)}; round trip p50 "
+                  f"{_fmt(v['round_trip_ms']['p50'], 2)} ms")
     w9 = sj.get("w9")
     if w9:
         t.add_row("W9 lateness from due time (ms)",

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from psycopg import sql
@@ -94,17 +94,30 @@ def _metrics_options() -> list[str]:
 
 
 class WorkerProcesses:
-    """``python -m skipjack worker skipjack_tools.bench.tasks:app`` child processes."""
+    """``python -m skipjack worker skipjack_tools.bench.tasks:app`` child processes.
 
-    def __init__(self, app: App, count: int, *extra: str, metrics: bool = False) -> None:
-        env = {**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn}
-        cmd = [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema,
-               "worker", "skipjack_tools.bench.tasks:app", "--queue", QUEUE, *extra]
+    Args:
+        app: the app whose schema they serve (its DSN is theirs too, unless ``place`` says).
+        count: how many.
+        extra: more options of ``skipjack worker``.
+        metrics: serve Prometheus metrics (each on a port of its own).
+        place: for process ``i``, a command to run it under (such as ``ip netns exec`` of a
+            simulated host, which execs it) and the DSN it connects to.
+    """
+
+    def __init__(self, app: App, count: int, *extra: str, metrics: bool = False,
+                 place: Callable[[int], tuple[Sequence[str], str]] | None = None) -> None:
         self.app = app
-        self.procs = [subprocess.Popen([*cmd, *(_metrics_options() if metrics else [])],
-                                       env=env, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                      for _ in range(count)]
+        self.procs = []
+        for i in range(count):
+            prefix, dsn = place(i) if place else ((), app.dsn)
+            env = {**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": dsn}
+            cmd = [*prefix, sys.executable, "-m", "skipjack", "--dsn", dsn, "--schema",
+                   app.schema, "worker", "skipjack_tools.bench.tasks:app", "--queue", QUEUE,
+                   *extra, *(_metrics_options() if metrics else [])]
+            self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                               stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL))
 
     def wait_listening(self, timeout: float = 60) -> None:
         """Wait until every process listens for notifications (it is then idle and ready)."""
