@@ -125,6 +125,18 @@ def effect(seconds: float = 0.0) -> None:
     log_event("finish")
 
 
+@app.task(name="effect_until_cancelled", transaction="complete")
+def effect_until_cancelled(seconds: float = 0.0) -> None:
+    """On attempt 1, waits up to ``seconds`` or until its job is taken from it (a lost
+    lease), then writes its effect anyway, as a handler that does not stop when told: the
+    completion that would commit the effect must then be refused by fencing."""
+    log_event("start")
+    if current_job().job.attempt == 1:
+        current_job().cancelled.wait(seconds)
+    _write_effect(current_job().conn)
+    log_event("finish")
+
+
 @app.task(name="async_effect", transaction="complete")
 async def async_effect(seconds: float = 0.0) -> None:
     job = current_job()

@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,9 +129,12 @@ class WorkerProcess:
     def __init__(self, dsn: str, schema: str, queues: list[str] | None = None,
                  *args: str, log: Path | None = None, env: dict[str, str] | None = None,
                  app: str = "jobs_app:app", options: tuple[str, ...] = (),
-                 manage: Path | None = None, cwd: Path | None = None) -> None:
+                 manage: Path | None = None, cwd: Path | None = None,
+                 prefix: Sequence[str] = ()) -> None:
         """``manage``: a Django project's manage.py, to run ``manage.py skipjack worker``
-        (its app from the project's settings) instead."""
+        (its app from the project's settings) instead. ``prefix``: a command the worker's
+        command line is given to, e.g. ``ip netns exec NAME`` to run it on a simulated host
+        (it must exec the worker, so that ``pid`` is the worker's)."""
         if manage is None:
             cmd = [sys.executable, "-m", "skipjack", "--dsn", dsn, "--schema", schema,
                    *options, "worker", app]
@@ -147,7 +150,7 @@ class WorkerProcess:
                     "SKIPJACK_APPLICATION_NAME": self.application_name, "PYTHONUNBUFFERED": "1",
                     **(env or {})}
         where = cwd or (manage.parent if manage else TESTS)
-        self.proc = subprocess.Popen(cmd, cwd=where, env=full_env,
+        self.proc = subprocess.Popen([*prefix, *cmd], cwd=where, env=full_env,
                                      stdout=out,
                                      stderr=subprocess.STDOUT)
 

@@ -56,7 +56,9 @@ def test_stalled_worker_is_fenced_and_cancelled(tasks: App, tmp_path: Path, task
             wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=30,
                        what="B finished the rescued job")
             a.signal(signal.SIGCONT)
-            wait_until(lambda: "lease lost" in a.log() or "stale complete" in a.log(),
+            # its renewal refused (lease lost) or, first, the lease run out (lease expired)
+            wait_until(lambda: any(s in a.log() for s in ("lease lost", "lease expired",
+                                                          "stale complete")),
                        timeout=30, what="A noticed it lost the lease")
             if task == "effect":  # the sync handler runs on, then its fenced write is refused
                 wait_until(lambda: "stale complete rejected" in a.log(), timeout=30,
@@ -68,6 +70,30 @@ def test_stalled_worker_is_fenced_and_cancelled(tasks: App, tmp_path: Path, task
     assert effect_counts(tasks.dsn, tasks.schema) == {job_id: 1}
     if task == "async_effect":  # A's handler was cancelled: it never finished
         assert exec_counts(tasks.dsn, tasks.schema, "finish") == {job_id: 1}
+
+
+def test_fc39_lease_is_given_up_while_its_renewal_hangs(tasks: App, tmp_path: Path) -> None:
+    """A renewal that hangs (here behind a lock on the jobs table; on a network that drops
+    packets silently, for as long as the TCP timeouts allow) does not keep a handler running
+    past its lease: the worker takes the job from its handler while the renewal still
+    waits. Once the lock is released the job is rescued and runs again; its effect exists
+    once."""
+    (job_id,) = enqueue(tasks, "async_effect", seconds=60)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log") as w:
+        wait_until(lambda: exec_counts(tasks.dsn, tasks.schema) == {job_id: 1}, timeout=30,
+                   what="the job started")
+        with psycopg.connect(tasks.dsn) as locker:  # a transaction: the lock is held
+            locker.execute(psycopg.sql.SQL("LOCK TABLE {}.jobs IN ACCESS EXCLUSIVE MODE")
+                           .format(psycopg.sql.Identifier(tasks.schema)))
+            wait_until(lambda: f"job {job_id}: lease expired" in w.log(), timeout=30,
+                       what="the handler cancelled while the renewal waits for the lock")
+            locker.rollback()
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=30,
+                   what="the job rescued and run again")
+    assert "cancelling its handler" in w.log()
+    assert effect_counts(tasks.dsn, tasks.schema) == {job_id: 1}
+    assert exec_counts(tasks.dsn, tasks.schema, "finish") == {job_id: 1}  # attempt 2 only
+    assert (tasks.get_job(job_id) or {})["attempt"] == 2
 
 
 def test_transient_error_on_completion_write_is_retried(tasks: App, tmp_path: Path) -> None:
@@ -112,6 +138,23 @@ def test_timeouts_set_low_for_the_worker_session(tasks: App, tmp_path: Path) -> 
     assert exec_counts(tasks.dsn, tasks.schema) == dict.fromkeys([*ok, slow], 1)
     error = (tasks.get_job(slow) or {})["errors"][-1]["error"]
     assert "statement timeout" in error
+
+
+def test_tcp_timeouts_the_dsn_sets_are_kept(tasks: App) -> None:
+    """skipjack's TCP timeouts and keepalives are defaults: a DSN that sets its own (to
+    notice a network partition sooner, say) keeps them, on every connection and pool."""
+    dsn = psycopg.conninfo.make_conninfo(tasks.dsn, tcp_user_timeout=4000, keepalives_idle=2)
+    app = App(dsn, schema=tasks.schema)
+    try:
+        with app.connect() as conn:
+            given = conn.info.get_parameters()
+        assert (given["tcp_user_timeout"], given["keepalives_idle"]) == ("4000", "2")
+        assert given["keepalives_interval"] == "5"  # the DSN does not set it: skipjack's
+        assert "tcp_user_timeout" not in app.db.connect_kwargs  # what pools are given
+    finally:
+        app.close()
+    with tasks.connect() as conn:
+        assert conn.info.get_parameters()["tcp_user_timeout"] == "30000"
 
 
 def test_heavy_notification_stream_does_not_starve_pickup(tasks: App, tmp_path: Path) -> None:

@@ -34,6 +34,20 @@ CONNECT_KWARGS: dict[str, Any] = {
     "keepalives_count": 3,
     "application_name": os.environ.get("SKIPJACK_APPLICATION_NAME", "skipjack"),
 }
+# Those of CONNECT_KWARGS that a DSN may set itself: its own value is then kept (a shorter
+# tcp_user_timeout, say, to notice a network partition sooner).
+DSN_MAY_SET = ("connect_timeout", "tcp_user_timeout", "keepalives", "keepalives_idle",
+               "keepalives_interval", "keepalives_count")
+
+
+def without_dsn_settings(dsn: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` less the ``DSN_MAY_SET`` options that ``dsn`` sets itself (keyword
+    arguments would override the DSN's values); all of them if ``dsn`` cannot be parsed."""
+    try:
+        given = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k not in DSN_MAY_SET or k not in given}
 
 
 def resolve_dsn(dsn: str | None = None) -> str:
@@ -150,9 +164,15 @@ class Database:
         self.schema = schema
         self.queries = Queries(schema)
         self.channel = channel_name(schema)
-        self.connect_kwargs: dict[str, Any] = {**CONNECT_KWARGS, "autocommit": True}
+        self._connect_kwargs: dict[str, Any] = {**CONNECT_KWARGS, "autocommit": True}
         if not prepare:
-            self.connect_kwargs["prepare_threshold"] = None
+            self._connect_kwargs["prepare_threshold"] = None
+
+    @property
+    def connect_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of every connection (and pool): skipjack's options, less the
+        timeouts and keepalives the DSN sets itself (see ``DSN_MAY_SET``)."""
+        return without_dsn_settings(self.dsn, self._connect_kwargs)
 
     @property
     def dsn(self) -> str:

@@ -2,7 +2,8 @@
 
 It has its own thread and its own connection, so it keeps renewing while a sync handler
 holds the GIL in long stretches or an async handler blocks the event loop, and it never waits
-for a connection that handlers use.
+for a connection that handlers use. A second small thread gives up the leases it could not
+renew in time, even while a renewal hangs (a lock wait, or a network that drops packets).
 """
 
 from __future__ import annotations
@@ -147,6 +148,9 @@ class HeartbeatThread(threading.Thread):
 
     def run(self) -> None:
         tick = min(self._interval, PROGRESS_INTERVAL)
+        watch = threading.Thread(target=self._watch, args=(tick,), daemon=True,
+                                 name="skipjack-lease-watch")
+        watch.start()
         last_beat = last_progress = time.monotonic()
         while not self._stop_event.wait(tick):
             try:
@@ -168,10 +172,21 @@ class HeartbeatThread(threading.Thread):
                 self._stop_event.wait(self._reconnect.next())
             except Exception:  # never let the renewals stop
                 log.exception("heartbeat failed; retrying")
-            finally:
-                self._expire_local()
         if self._conn is not None:
             self._conn.close()
+        watch.join()
+
+    def _watch(self, tick: float) -> None:
+        """Expire the leases not renewed for a whole lease period, every ``tick`` seconds,
+        in a thread of its own: a renewal can hang for as long as the connection's TCP
+        timeouts allow (30 s: ``tcp_user_timeout``) when the network drops the packets
+        without a word, and the handlers of jobs that other workers may have rescued
+        meanwhile must not run on for that long."""
+        while not self._stop_event.wait(tick):
+            try:
+                self._expire_local()
+            except Exception:  # never let the expiry stop
+                log.exception("lease expiry failed; retrying")
 
     def _write_progress(self) -> None:
         """Write the progress reports made since the last tick, in one statement."""

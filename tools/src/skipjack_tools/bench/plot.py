@@ -48,9 +48,39 @@ def _soak(axes: Any, soak: dict[str, Any]) -> None:
     other.legend(loc="lower right", fontsize=8)
 
 
+def _hosts(ax: Any, by_delay: dict[str, Any]) -> None:
+    """Hosts: throughput against simulated hosts, one line per added latency; the runs that
+    claim one job per round trip as single points at one host."""
+    for i, (delay, figures) in enumerate(by_delay.items()):
+        by = figures["by_hosts"]
+        xs = [int(n) for n in by]
+        label = "no added latency" if float(delay) == 0 else f"{delay} ms added each way"
+        ax.plot(xs, [by[n]["jobs_per_s"] or 0 for n in by], "o-", color=f"C{i}",
+                label=f"{label}, batched claims")
+        one = figures.get("one_per_claim", {}).get("jobs_per_s")
+        if one:
+            ax.plot([1], [one], "x", color=f"C{i}", markersize=9,
+                    label=f"{label}, one job per claim")
+        ax.set_xticks(xs)
+    ax.set_xlabel("hosts (one worker process of concurrency 50 each)")
+    ax.set_ylabel("jobs/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Worker hosts over a network, one server")
+    ax.legend(fontsize=8)
+
+
+def _side_figure(plt: Any, draw: Any, data: dict[str, Any], path: str) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    draw(ax, data)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_plot(results: dict[str, Any], path: str) -> str | None:
-    """Draw the plot into ``path`` (and W10's and the soak's, when measured, into
-    ``<path>-w10.png`` and ``<path>-soak.png``); returns why it was skipped, or None when
+    """Draw the plot into ``path`` (W10's, when measured, into ``<path>-w10.png``, the hosts
+    scenario's into ``<path>-hosts.png`` and the soak's into ``<path>-soak.png``); returns
+    why it was skipped, or None when
     written."""
     try:
         import matplotlib
@@ -63,11 +93,10 @@ def write_plot(results: dict[str, Any], path: str) -> str | None:
     sj = results["skipjack"]
     scaling = sj.get("w10", {}).get("by_processes", {})
     if scaling:  # a figure of its own, beside the main one: <path>-w10.png
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        _scaling(ax, scaling)
-        fig.tight_layout()
-        fig.savefig(path.removesuffix(".png") + "-w10.png", dpi=110)
-        plt.close(fig)
+        _side_figure(plt, _scaling, scaling, path.removesuffix(".png") + "-w10.png")
+    over_network = sj.get("hosts", {}).get("by_delay", {})
+    if over_network:  # <path>-hosts.png
+        _side_figure(plt, _hosts, over_network, path.removesuffix(".png") + "-hosts.png")
     soak = sj.get("soak", {})
     if soak.get("sizes"):
         fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
@@ -75,7 +104,7 @@ def write_plot(results: dict[str, Any], path: str) -> str | None:
         fig.tight_layout()
         fig.savefig(path.removesuffix(".png") + "-soak.png", dpi=110)
         plt.close(fig)
-    if (scaling or soak) and not sj.get("w2") and not sj.get("w3"):
+    if (scaling or over_network or soak) and not sj.get("w2") and not sj.get("w3"):
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     by = sj.get("w2", {}).get("by_concurrency", {})

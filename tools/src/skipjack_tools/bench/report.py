@@ -277,6 +277,15 @@ def _other_table(sj: dict[str, Any]) -> Table:
                   f"{_fmt((soak['size_end_bytes'] or 0) / 2**20, 0)} MiB at the end, x"
                   f"{_fmt(soak['size_end_over_half'], 2)} of half time (retention "
                   f"{soak['retention_s']:.0f} s)")
+    over_network = sj.get("hosts", {})
+    if "skipped" in over_network:
+        t.add_row("hosts skipped", escape(str(over_network["skipped"])))
+    for delay, v in over_network.get("by_delay", {}).items():
+        by = ", ".join(f"{n}: {_fmt(r['jobs_per_s'], 0)}" for n, r in v["by_hosts"].items())
+        one = v.get("one_per_claim", {}).get("jobs_per_s")
+        t.add_row(f"hosts, {delay} ms added each way (jobs/s)",
+                  f"by hosts {by}; one job per claim: {_fmt(one, 0)}; round trip p50 "
+                  f"{_fmt(v['round_trip_ms']['p50'], 2)} ms")
     w9 = sj.get("w9")
     if w9:
         t.add_row("W9 lateness from due time (ms)",

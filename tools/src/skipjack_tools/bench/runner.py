@@ -18,6 +18,7 @@ from . import (
     drain,
     enqueue,
     history,
+    hosts_scaling,
     latency,
     raw,
     retry_storm,
@@ -29,7 +30,7 @@ from .peers.runner import PEERS, run_peer
 from .report import dig, ratios, targets
 
 SCENARIOS = ("ceiling", "raw", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "w10",
-             "memory", "dashboard")
+             "hosts", "memory", "dashboard")
 # Run only when named in --only: the soak takes 20 minutes at scale 1.
 OPTIONAL = ("soak",)
 
@@ -66,6 +67,7 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
         "w4": lambda: drain.w4(settings),
         "w9": lambda: latency.w9(settings),
         "w10": lambda: scaling.w10(settings),
+        "hosts": lambda: hosts_scaling.run(settings),
         "w5": lambda: latency.w5(settings, *_w5_inputs(sj)),
         "w6": lambda: claim_methods.run(settings),
         "w7": lambda: retry_storm.run(settings),

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from psycopg import sql
@@ -92,27 +92,32 @@ class WorkerProcesses:
     """``python -m skipjack worker skipjack_tools.bench.tasks:app`` child processes.
 
     Args:
-        app: the benchmark's app (its DSN and schema).
-        count: how many processes.
-        extra: more ``skipjack worker`` options.
-        metrics: each serves Prometheus metrics on a port of its own.
+        app: the app whose schema they serve (its DSN is theirs too, unless ``place`` says).
+        count: how many.
+        extra: more options of ``skipjack worker``.
+        metrics: serve Prometheus metrics (each on a port of its own).
+        place: for process ``i``, a command to run it under (such as ``ip netns exec`` of a
+            simulated host, which execs it) and the DSN it connects to.
         logged: each writes its log (skipjack's default: INFO) to a temporary file, as a
             user's worker writes to a file or a journal; else the log is discarded unread
             (the file is removed by ``stop``).
     """
 
     def __init__(self, app: App, count: int, *extra: str, metrics: bool = False,
+                 place: Callable[[int], tuple[Sequence[str], str]] | None = None,
                  logged: bool = False) -> None:
-        env = {**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn}
-        cmd = [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema,
-               "worker", "skipjack_tools.bench.tasks:app", "--queue", QUEUE, *extra]
         self.app = app
+        self.procs = []
         self._logs = [tempfile.TemporaryFile() for _ in range(count)] if logged else []
-        self.procs = [subprocess.Popen([*cmd, *(_metrics_options() if metrics else [])],
-                                       env=env, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL,
-                                       stderr=self._logs[i] if logged else subprocess.DEVNULL)
-                      for i in range(count)]
+        for i in range(count):
+            prefix, dsn = place(i) if place else ((), app.dsn)
+            env = {**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": dsn}
+            cmd = [*prefix, sys.executable, "-m", "skipjack", "--dsn", dsn, "--schema",
+                   app.schema, "worker", "skipjack_tools.bench.tasks:app", "--queue", QUEUE,
+                   *extra, *(_metrics_options() if metrics else [])]
+            self.procs.append(subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=self._logs[i] if logged else subprocess.DEVNULL))
 
     def wait_listening(self, timeout: float = 60) -> None:
         """Wait until every process listens for notifications (it is then idle and ready)."""
