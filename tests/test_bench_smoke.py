@@ -43,6 +43,9 @@ def test_quick_bench_reports_every_scenario(server: Server, tmp_path: Path) -> N
     assert set(data["skipjack"]["w2"]["by_concurrency"]) == {"1", "10", "100"}
     assert set(data["skipjack"]["w6"]["methods"]) == {"no_lock", "for_update", "skip_locked"}
     assert data["machine"]["server"]["server_version"]
+    pgbench = data["skipjack"]["ceiling"]["pgbench"]
+    if "skipped" not in pgbench:  # pgbench is installed: every client count ran
+        assert all("error" not in run for run in pgbench.values()), pgbench
     hosts = data["skipjack"]["hosts"]  # simulated hosts need root: skipped, saying why
     assert hosts.get("skipped") or set(hosts["by_delay"]) == {"0", "2"}, hosts
     assert all({"target", "value", "goal", "met"} <= set(t) for t in data["targets"])

@@ -64,11 +64,13 @@ def pgbench_script(app: App, conn: psycopg.Connection[Any]) -> str:
                         ("min_lease", "0"), ("claim_mode_tasks", "'{}'"), ("claim_mode", "false"),
                         ("skip", "'{}'")):
         claim = claim.replace(f"%({name})s", value)
+    claim = re.sub(r"--[^\n]*", "", claim)  # pgbench takes one statement per line, and
     record = app.queries.RECORD_OUTCOMES.decode().replace("%(outcomes)s", ":outcomes")
     gather = (f"WITH c AS ({claim.strip()})\n"
               "SELECT coalesce(json_agg(json_build_object('id', id, 'lease_version', "
               "lease_version, 'kind', 'complete', 'delay', 0)), '[]')::text AS outcomes\n"
               "  FROM c \\gset\n")
+    record = re.sub(r"--[^\n]*", "", record)  # a comment would swallow the rest of the line
     return " ".join(gather.split("\n")) + "\n" + " ".join(record.split()) + ";\n"
 
 

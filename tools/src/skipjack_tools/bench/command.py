@@ -50,10 +50,13 @@ def _names(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
 @click.option("--metrics", is_flag=True,
               help="Run the W2 and W4 workers with Prometheus metrics on (needs "
                    "prometheus_client), to measure their cost against a run without.")
+@click.option("--soak-rate", type=click.FloatRange(1, 1_000_000), default=None,
+              help="Jobs/s the soak enqueues [half of W2 at concurrency 10, measured in the "
+                   "same run].")
 @click.pass_context
 def bench(ctx: click.Context, as_json: bool, output: str | None, plot_path: str,
           no_plot: bool, compare: str, only: str, scale: float, runs: int,
-          quick: bool, metrics: bool) -> None:
+          quick: bool, metrics: bool, soak_rate: float | None) -> None:
     """Benchmark skipjack (W1-W8, the SQL ceiling, memory), optionally side by side with
     other PostgreSQL queues. Each scenario runs in a schema or database of its own, dropped
     afterwards. Use --dsn on the main command for a server; else the embedded one."""
@@ -65,7 +68,7 @@ def bench(ctx: click.Context, as_json: bool, output: str | None, plot_path: str,
         scale, runs = min(scale, 0.01), 1
     logging.getLogger("skipjack").setLevel(logging.WARNING)
     settings = Settings(dsn=resolve_dsn(obj.get("dsn")), scale=scale, runs=runs, quick=quick,
-                        metrics=metrics,
+                        metrics=metrics, soak_rate=soak_rate,
                         log=lambda line: console.print(f"[dim]{escape(line)}[/]"))
     results = run_bench(settings, scenarios, peers)
     if not no_plot:

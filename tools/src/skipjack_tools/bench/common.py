@@ -41,6 +41,7 @@ class Settings:
         quick: the seconds-long smoke mode: tiny sizes, one run, short waits.
         metrics: run skipjack's workers with Prometheus metrics on (W2, W4), to measure
             what they cost.
+        soak_rate: jobs/s the soak enqueues (None: half of W2 at concurrency 10).
         log: called with one line of progress.
     """
 
@@ -49,6 +50,7 @@ class Settings:
     runs: int = 3
     quick: bool = False
     metrics: bool = False
+    soak_rate: float | None = None
     log: Callable[[str], None] = field(default=lambda line: None)
 
     def n(self, full: int, minimum: int = 10) -> int:

@@ -99,10 +99,12 @@ def cost(dsn: str, jobs: int, run: Callable[[], object],
         client = _client_cpu(client_pid)
         run()
         client = _client_cpu(client_pid) - client
-        # measured before the backends of the run end, then the commits once flushed
+        # after a pause: the commit counts are published, and a backend the run closed has
+        # ended and been reaped by the postmaster (its CPU then counts in the postmaster's
+        # children's times; read at once, it was in neither)
+        time.sleep(STATS_FLUSH)
         server_after = _server_cpu(conn)
         wal = conn.execute(WAL_SINCE, [lsn]).fetchone()[0]  # type: ignore[index]
-        time.sleep(STATS_FLUSH)
         commits_after = conn.execute(COUNTERS).fetchone()[0]  # type: ignore[index]
     per = max(1, jobs)
     return {

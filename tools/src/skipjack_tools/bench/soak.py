@@ -2,7 +2,8 @@
 
 One ``skipjack worker`` process with its default settings (concurrency 10, the adaptive
 prefetch) serves jobs enqueued at half of the W2 drain rate at concurrency 10 measured in
-the same run (or measured here first), in batches every 100 ms from this process. The
+the same run (or measured here first; ``--soak-rate`` sets another rate), in batches every
+100 ms from this process. The
 worker's retention is a quarter of the run (5 minutes at scale 1) instead of the default 7
 days, so the table reaches its steady size (the retention window) within the run and the
 last three quarters show whether it then stops growing.
@@ -90,12 +91,15 @@ def run(settings: Settings, w2_at_10: float | None = None) -> dict[str, Any]:
     10 measured earlier in this run, in jobs/s; measured here when None."""
     seconds = 20.0 if settings.quick else max(60.0, DURATION * settings.scale)
     window = seconds / 4
-    if not w2_at_10:
-        settings.log("soak: measuring the W2 drain rate at concurrency 10 first")
-        w2_at_10 = drain.drain_rate(settings, settings.n(10_000), 10)
-    per_second = round((w2_at_10 or 1000.0) / 2)
-    settings.log(f"soak: {seconds:.0f} s at {per_second:,} jobs/s (half of W2 at "
-                 f"concurrency 10), retention {window:.0f} s")
+    if settings.soak_rate:
+        per_second, why = round(settings.soak_rate), "as asked"
+    else:
+        if not w2_at_10:
+            settings.log("soak: measuring the W2 drain rate at concurrency 10 first")
+            w2_at_10 = drain.drain_rate(settings, settings.n(10_000), 10)
+        per_second, why = round((w2_at_10 or 1000.0) / 2), "half of W2 at concurrency 10"
+    settings.log(f"soak: {seconds:.0f} s at {per_second:,} jobs/s ({why}), retention "
+                 f"{window:.0f} s")
     claims: list[tuple[float, float]] = []
     samples: list[dict[str, Any]] = []
     sent = [0]
