@@ -45,7 +45,8 @@ def _drain_cost(settings: Settings, jobs: int, concurrency: int) -> dict[str, An
 
         try:
             workers.wait_listening()
-            return raw.cost(app.dsn, jobs, drain, client_pid=workers.procs[0].pid)
+            return raw.cost(app.dsn, jobs, drain, client_pid=workers.procs[0].pid,
+                            settle=raw.settle_for(settings))
         finally:
             counter.close()
             workers.stop()

@@ -92,7 +92,7 @@ def _plan(app: App, conn: psycopg.Connection[Any]) -> dict[str, Any]:
             "uses_claim_index": "jobs_claim_idx" in text}
 
 
-def _prune_cost(app: App, jobs: int) -> dict[str, Any]:
+def _prune_cost(settings: Settings, app: App, jobs: int) -> dict[str, Any]:
     """Delete the ``jobs`` finished jobs as the worker's pruner does (batches of
     ``skipjack.admin.BATCH``, each its own transaction, until a batch comes back short):
     jobs/s and the cost per job (see ``raw.cost``)."""
@@ -105,7 +105,7 @@ def _prune_cost(app: App, jobs: int) -> dict[str, Any]:
                 pass
             elapsed.append(time.monotonic() - started)
 
-    per_job = raw.cost(app.dsn, jobs, prune_all)
+    per_job = raw.cost(app.dsn, jobs, prune_all, settle=raw.settle_for(settings))
     return {"jobs": jobs, "jobs_per_s": rate(jobs, elapsed[0]), "per_job": per_job}
 
 
@@ -141,7 +141,7 @@ def run(settings: Settings) -> dict[str, Any]:
         finally:
             holder.close()
         settings.log(f"W8 history: pruning the {history} finished jobs as a worker does")
-        pruned = _prune_cost(app, history)
+        pruned = _prune_cost(settings, app, history)
     return {
         "finished_jobs": history, "future_jobs": future, "runnable_jobs": runnable,
         "payload_bytes": 2400, "load_seconds": round(load_s, 1),

@@ -44,7 +44,9 @@ SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_databas
 """
 WAL_SINCE = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)::bigint"
 SERVER_PIDS = "SELECT pid FROM pg_stat_activity"
-STATS_FLUSH = 1.2  # seconds: backends publish their commit counts at most once a second
+# seconds: a backend publishes its statistics (the commit counts) at most once a second
+# while busy, and up to 10 s after it goes idle (PostgreSQL's PGSTAT_IDLE_INTERVAL)
+STATS_FLUSH = 11.0
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -79,6 +81,11 @@ def _server_cpu(conn: psycopg.Connection[Any]) -> float | None:
     return total / tick
 
 
+def settle_for(settings: Settings) -> float:
+    """How long ``cost`` waits for the counters: STATS_FLUSH, or 1.2 s in quick runs."""
+    return settings.seconds(STATS_FLUSH, 1.2)
+
+
 def _client_cpu(pid: int | None) -> float:
     """CPU seconds used so far by this process, or by the live process ``pid``."""
     if pid is None:
@@ -89,10 +96,12 @@ def _client_cpu(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cost(dsn: str, jobs: int, run: Callable[[], object],
-         client_pid: int | None = None) -> dict[str, Any]:
+def cost(dsn: str, jobs: int, run: Callable[[], object], client_pid: int | None = None,
+         settle: float = STATS_FLUSH) -> dict[str, Any]:
     """What ``run`` cost per job: server and client CPU (µs; the client: this process, or
-    the live process ``client_pid``, e.g. a worker), WAL bytes, commits."""
+    the live process ``client_pid``, e.g. a worker), WAL bytes, commits. ``settle``: seconds
+    to wait before reading the counters (see STATS_FLUSH; shorter in quick runs, whose
+    commit counts may then be low)."""
     with connect(dsn) as conn:
         commits, lsn = conn.execute(COUNTERS).fetchone()  # type: ignore[misc]
         server = _server_cpu(conn)
@@ -102,7 +111,7 @@ def cost(dsn: str, jobs: int, run: Callable[[], object],
         # after a pause: the commit counts are published, and a backend the run closed has
         # ended and been reaped by the postmaster (its CPU then counts in the postmaster's
         # children's times; read at once, it was in neither)
-        time.sleep(STATS_FLUSH)
+        time.sleep(settle)
         server_after = _server_cpu(conn)
         wal = conn.execute(WAL_SINCE, [lsn]).fetchone()[0]  # type: ignore[index]
         commits_after = conn.execute(COUNTERS).fetchone()[0]  # type: ignore[index]
@@ -172,7 +181,7 @@ def run(settings: Settings) -> dict[str, Any]:
                 _take_and_delete(dsn)
                 span.append(time.perf_counter() - started)
 
-            costs.append(cost(dsn, drain, timed))
+            costs.append(cost(dsn, drain, timed, settle=settle_for(settings)))
             loop.append(rate(drain, span[0]))
     out["insert_each"]["jobs_per_s"] = median(each)
     out["insert_unnest"]["jobs_per_s"] = median(unnest)
