@@ -174,9 +174,7 @@ def test_help_without_the_tools_still_lists_every_command() -> None:
     assert done.returncode == 0, done.stderr
     listed = re.findall(r"^  (\w+) ", done.stdout.split("Commands:")[1], re.MULTILINE)
     assert listed == ["bench", "chaos", "cron", "dashboard", "demo", "embedded", "jobs", "metrics",
-                      "migrate",
-                      "prune",
-                      "queues", "stats", "worker", "workers"]
+                      "migrate", "prune", "queues", "roles", "stats", "worker", "workers"]
 
 
 @pytest.mark.parametrize(("text", "seconds"), [

@@ -283,6 +283,38 @@ def migrate(ctx: click.Context, lock_timeout: float, attempts: int, check: bool,
 
 
 @main.command()
+@click.option("--worker", "worker_role", metavar="ROLE", default=None,
+              help="Role that workers, the dashboard and the operating commands log in as: "
+                   "rows of every table, no DDL.")
+@click.option("--enqueuer", "enqueuer_role", metavar="ROLE", default=None,
+              help="Role of an application that enqueues and reads jobs (and waits for "
+                   "results) only: it cannot claim, change or delete jobs.")
+@click.option("--sql", "as_sql", is_flag=True,
+              help="Grant nothing: print the statements for a DBA to run.")
+@click.pass_context
+def roles(ctx: click.Context, worker_role: str | None, enqueuer_role: str | None,
+          as_sql: bool) -> None:
+    """Grant least-privilege roles their privileges on the migrated schema. Run it as the
+    schema's owner (the role that migrates) or a superuser, and again after upgrades; the
+    roles must exist (CREATE ROLE). See docs/deployment.md, "Roles"."""
+    from . import roles as grants
+
+    if worker_role is None and enqueuer_role is None:
+        raise click.UsageError("give --worker ROLE, --enqueuer ROLE, or both")
+    app = _app(ctx)
+    with app.connect() as conn:
+        if as_sql:
+            done = grants.grants(conn, app.schema, worker=worker_role, enqueuer=enqueuer_role)
+            click.echo(grants.grants_sql(conn, done), nl=False)
+            return
+        done = grants.grant(conn, app.schema, worker=worker_role, enqueuer=enqueuer_role)
+    given = [f"{kind} {role!r}" for kind, role in (("worker", worker_role),
+                                                   ("enqueuer", enqueuer_role)) if role]
+    click.echo(f"granted {' and '.join(given)} their privileges on schema {app.schema!r} "
+               f"({len(done)} statements)")
+
+
+@main.command()
 @click.argument("app_path", metavar="[MODULE:APP]", required=False)
 @click.option("-q", "--queue", "queues", multiple=True, default=["default"], show_default=True,
               help="Queue to serve; repeat for several.")
@@ -338,6 +370,12 @@ def migrate(ctx: click.Context, lock_timeout: float, attempts: int, check: bool,
 @click.option("--log-format", type=click.Choice(["text", "json"], case_sensitive=False),
               default=None, help="As `skipjack --log-format`.")
 @click.option("-v", "--verbose", is_flag=True, help="As `skipjack -v`.")
+@click.option("--reload", is_flag=True,
+              help="Development: restart the worker when a Python file under --reload-dir "
+                   "changes (needs watchfiles: pip install 'skipjack[reload]').")
+@click.option("--reload-dir", "reload_dirs", multiple=True, metavar="DIR",
+              type=click.Path(file_okay=False), help="Directory --reload watches; repeat for "
+                                                    "several [the current directory].")
 @click.pass_context
 def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], concurrency: int,
            processes: str, batch_size: int | None, lease: float, heartbeat: float | None,
@@ -346,10 +384,18 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
            prefetch: int | None, fairness_every: int, unknown_task_grace: float, name: str,
            migrate: bool, metrics_port: int | None, metrics_host: str,
            health_port: int | None, health_host: str, log_levels: tuple[str, ...],
-           log_format: LogFormat | None, verbose: bool) -> None:
+           log_format: LogFormat | None, verbose: bool, reload: bool,
+           reload_dirs: tuple[str, ...]) -> None:
     """Run a worker for the tasks of MODULE:APP (under Django's manage.py: of the project's
     app, without MODULE:APP)."""
     count = _process_count(processes)
+    if reload:
+        from . import reload as reloading
+        from .supervisor import command_line
+
+        argv = [*command_line(), *reloading.without_reload(sys.argv[1:])]
+        reloading.run(argv, reload_dirs or [os.getcwd()], grace=grace)
+        return
     if count > 1 and not os.environ.get("SKIPJACK_WORKER_PROCESS"):
         from .supervisor import Supervisor, child_argv, command_line
 

@@ -1,7 +1,8 @@
 """Every SQL statement skipjack runs, grouped by stage of a job's life.
 
 The statements are templates in the modules of this package (``enqueue``, ``claim``,
-``outcomes``, ``maintenance``, ``admin``, ``cron``, ``workers``, ``schema``), in which
+``outcomes``, ``maintenance``, ``admin``, ``cron``, ``workers``, ``schema``, and ``roles``
+(privileges)), in which
 ``{schema}`` stands for the quoted schema name; values are always bound parameters
 (``%(name)s``), never interpolated. ``Queries`` renders them for one schema, each on first
 use, as UTF-8 bytes, so running a statement costs no re-rendering (psycopg then caches its
