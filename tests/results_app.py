@@ -69,3 +69,19 @@ def flaky_once() -> int:
     if attempt == 1:
         raise RuntimeError("first attempt fails")
     return attempt
+
+
+@app.task(name="reports_then_waits")
+def reports_then_waits(mark: bool, gate: str) -> str:
+    """Report progress ("step 1", after a check mark if ``mark``), then wait (up to a
+    minute) for the gate."""
+    current_job().progress(("\u2713 " if mark else "") + "step 1")
+    statement = sql.SQL("SELECT 1 FROM {}.gates WHERE name = %s").format(
+        sql.Identifier(app.schema))
+    deadline = time.monotonic() + 60
+    with app.connect() as conn:
+        while conn.execute(statement, (gate,)).fetchone() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the gate never opened")
+            time.sleep(0.02)
+    return "waited"

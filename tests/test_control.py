@@ -525,6 +525,32 @@ def test_fc36_retry_leaves_a_job_whose_key_a_live_job_holds_and_retries_the_rest
         m.join(30)
 
 
+def test_fc36_discarded_jobs_sharing_a_key_retry_the_newest_and_a_dry_run_says_so(
+        tasks: App) -> None:
+    """Two discarded jobs hold one key (their unique_while leaves out 'discarded'): a retry
+    of both, or of every discarded job, retries the newest and leaves the other alone, held
+    by it, instead of failing on the unique index; a dry run gives the same answers first
+    and changes nothing."""
+    t = tasks.tasks["t"].configure(queue="q", idempotency_key="shared", unique_while=WAITING)
+    older = t.enqueue()
+    assert tasks.discard([older]) == [older]
+    newer = t.enqueue()
+    assert newer != older and tasks.discard([newer]) == [newer]
+    (plain,) = enqueue(tasks, "t", 1, queue="q")
+    assert tasks.discard([plain]) == [plain]
+    expected = (f"{older}\tleft alone: its idempotency key 'shared' is held by job {newer} "
+                "(available)\n")
+    dry = _cli(tasks, "jobs", "retry", str(older), str(newer), str(plain), "--dry-run")
+    assert dry.stdout == expected + f"{newer}\twould be retried\n{plain}\twould be retried\n"
+    assert [(tasks.get_job(i) or {})["state"] for i in (older, newer, plain)] == [
+        "discarded"] * 3
+    done = _cli(tasks, "jobs", "retry", "--all")  # a filter: what it left alone is no error
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert expected in done.stdout and f"{newer}\tretried\n" in done.stdout
+    assert [(tasks.get_job(i) or {})["state"] for i in (older, newer, plain)] == [
+        "discarded", "available", "available"]
+
+
 def test_fc38_pruning_keeps_each_schedules_latest_slot_and_copes_with_foreign_keys(
         app: App) -> None:
     """A schedule every minute, a job per slot, each job finished and pruned with a retention

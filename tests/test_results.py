@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
+import secrets
 import subprocess
 import sys
 import threading
@@ -12,12 +13,13 @@ from pathlib import Path
 
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from skipjack import App, JobFailed, JobHandle, JobNotFound, ResultTimeout, ValidationError
 from skipjack import results as results_module
 from skipjack.context import JobContext
 
-from support import TESTS, WorkerProcess, query, wait_until
+from support import TESTS, Server, WorkerProcess, query, wait_until
 
 FAST = ["--lease", "2", "--heartbeat", "0.3", "--poll-interval", "0.5"]
 
@@ -139,6 +141,53 @@ def test_progress_is_visible_while_the_job_runs_and_after(tasks: App, tmp_path: 
         assert handle.result(timeout=60) == "through"
     # the last report, made just before the end, came with the outcome
     assert handle.progress() == {"done": 2, "total": 2}
+
+
+def test_progress_the_database_cannot_store_is_dropped_and_leases_are_renewed(
+        server: Server, tmp_path: Path) -> None:
+    # a LATIN1 database has no check mark: that report cannot be written, and must neither
+    # stop the renewals (the job would lose its 2 s lease) nor hold back other reports
+    name = "latin1_" + secrets.token_hex(4)
+    with server.connect() as conn:
+        conn.autocommit = True
+        conn.execute(sql.SQL("CREATE DATABASE {} ENCODING 'LATIN1' TEMPLATE template0 "
+                             "LC_COLLATE 'C' LC_CTYPE 'C'").format(sql.Identifier(name)))
+    dsn = make_conninfo(server.dsn, dbname=name)
+    app = App(dsn, schema="skipjack")
+    try:
+        app.migrate()
+        with app.connect() as conn:
+            conn.execute("CREATE TABLE skipjack.gates (name text PRIMARY KEY)")
+        task = app.task(name="reports_then_waits")(lambda **kw: None)
+        with pytest.raises(ValidationError, match="LATIN1|latin-1|iso8859"):
+            task.enqueue(mark="\u2713", gate="g")  # refused before anything is written
+        bad = task.enqueue(mark=True, gate="g")
+        good = task.enqueue(mark=False, gate="g")
+        with WorkerProcess(dsn, "skipjack", ["default"], *FAST, app="results_app:app",
+                           log=tmp_path / "worker.log") as w:
+            wait_until(lambda: good.progress() == "step 1", what="the other job's report")
+            wait_until(lambda: f"progress of job {bad} could not be written" in w.log(),
+                       what="the report dropped")
+            claimed = query(dsn, "SELECT lease_expires_at FROM skipjack.jobs WHERE id = %s",
+                            (bad.id,))[0][0]
+            wait_until(lambda: query(dsn, "SELECT lease_expires_at FROM skipjack.jobs "
+                                          "WHERE id = %s", (bad.id,))[0][0] > claimed,
+                       what="a renewal after the dropped report")
+            query(dsn, "INSERT INTO skipjack.gates VALUES ('g')")
+            assert good.result(timeout=60) == "waited"
+            # its outcome carries the report too: written without it (and without its
+            # result), with a note of the refusal, rather than never
+            wait_until(lambda: bad.state() == "succeeded", what="the other job's outcome")
+        rows = query(dsn, "SELECT attempt, progress, errors FROM skipjack.jobs WHERE id = %s",
+                     (bad.id,))
+        assert rows[0][:2] == (1, None) and "refused" in rows[0][2][-1]["error"]
+        assert query(dsn, "SELECT attempt FROM skipjack.jobs ORDER BY id") == [(1,), (1,)]
+    finally:
+        app.close()
+        with server.connect() as conn:
+            conn.autocommit = True
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
 
 
 def test_progress_refuses_what_is_not_json() -> None:

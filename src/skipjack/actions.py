@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .admin import RetryResult
 from .app import App
 from .search import JobFilter
 
@@ -90,6 +91,21 @@ def _why(state: tuple[str, bool] | None, action: Action) -> str:
     return f"{wants} ({name})"
 
 
+def _retried(account: Account, results: list[RetryResult]) -> Account:
+    """``account`` with the answers of ``App.retry_discarded_each``."""
+    for result in results:
+        if result.outcome == "retried":
+            account._done(result.id, "would be retried" if account.dry_run else None)
+        elif result.outcome == "key_held":
+            account._left(result.id, "idempotency key held by another job",
+                          result.describe().partition(" left alone: ")[2])
+        elif result.outcome == "not_found":
+            account._left(result.id, "no such job")
+        else:
+            account._left(result.id, f"not discarded ({result.state or 'changed meanwhile'})")
+    return account
+
+
 def apply(app: App, action: Action, ids: Sequence[int]) -> Account:
     """Run ``action`` on the jobs ``ids`` (at most ``skipjack.admin.BATCH`` is
     best; repeated ids count once).
@@ -103,18 +119,7 @@ def apply(app: App, action: Action, ids: Sequence[int]) -> Account:
     if not asked:
         return account
     if action == "retry":
-        for result in app.retry_discarded_each(asked):
-            if result.outcome == "retried":
-                account._done(result.id)
-            elif result.outcome == "key_held":
-                account._left(result.id, "idempotency key held by another job",
-                              result.describe().partition(" left alone: ")[2])
-            elif result.outcome == "not_found":
-                account._left(result.id, "no such job")
-            else:
-                account._left(result.id,
-                              f"not discarded ({result.state or 'changed meanwhile'})")
-        return account
+        return _retried(account, app.retry_discarded_each(asked))
     if action == "discard":
         moved = set(app.discard(asked))
         rest = [i for i in asked if i not in moved]
@@ -147,6 +152,9 @@ def preview(app: App, action: Action, ids: Sequence[int]) -> Account:
     dry run; a job may change before a real run)."""
     asked = list(dict.fromkeys(ids))
     account = Account(action, dry_run=True)
+    if action == "retry":  # the retry itself, rolled back: held keys are known exactly
+        return _retried(account, app.retry_discarded_each(asked, dry_run=True) if asked
+                        else [])
     states = app.job_states(asked) if asked else {}
     for job_id in asked:
         state = states.get(job_id)
@@ -154,9 +162,6 @@ def preview(app: App, action: Action, ids: Sequence[int]) -> Account:
             if action == "cancel" and state[0] == "running":
                 account.requested += 1
                 account._done(job_id, "would be asked to stop (running)")
-            elif action == "retry":
-                account._done(job_id, "would be retried (unless another job holds its "
-                                      "idempotency key)")
             else:
                 account._done(job_id, f"would be {PAST[action]}")
         else:

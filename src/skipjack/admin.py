@@ -442,15 +442,20 @@ class Admin:
                 log.info("retry_discarded: %s", result.describe())
         return [r.id for r in results if r.outcome == "retried"]
 
-    def retry_discarded_each(self, ids: Sequence[int]) -> list[RetryResult]:
+    def retry_discarded_each(self, ids: Sequence[int], *,
+                             dry_run: bool = False) -> list[RetryResult]:
         """``retry_discarded``, answering for each id what became of it.
 
         Every job that can be retried is, in one transaction, whatever the others are: a job
         whose key another job holds never makes the call fail (a holder that commits while
-        this runs makes it run its statement again, up to 5 times).
+        this runs makes it run its statement again, up to 5 times). Of several discarded
+        jobs asked for that share a key, the newest is retried; the others are left alone,
+        their key held by it.
 
         Args:
             ids: job ids (ints); repeated ids count once.
+            dry_run: run the retry in a transaction that is rolled back: the answers are
+                what a real run would give now, and nothing changes.
 
         Returns:
             One ``RetryResult`` per distinct id, in the order asked.
@@ -462,9 +467,11 @@ class Admin:
         with self.connect() as conn:
             for attempt in range(1, RETRY_ROUNDS + 1):
                 try:
-                    with conn.transaction():
+                    with conn.transaction() as tx:
                         rows = conn.execute(self.queries.RETRY_DISCARDED,
                                             {"id": asked}).fetchall()
+                        if dry_run:
+                            raise psycopg.Rollback(tx)
                         notify(conn, self.queries, {r[1] for r in rows if r[1] is not None})
                     break
                 except psycopg.errors.UniqueViolation:

@@ -571,6 +571,10 @@ class App(Admin):
             ValidationError: ``conn`` is not a connection skipjack can use; an item is not a
                 JobSpec (or ``jobs`` itself raises it, e.g.
                 from ``Task.job``); nothing of this call is written, whichever item it is.
+                A value holds a character the database's encoding cannot store (a database
+                not in UTF8); the statement holding it was not sent (on a caller's
+                transaction, roll it back: a call of more than 1,000 jobs may have sent
+                others).
             DuplicateJobError: a key is held by a job this caller's snapshot cannot see.
             psycopg.Error: the database refused or could not be reached; nothing of this call
                 was written (a transaction of the caller's is then failed, as after any
@@ -592,6 +596,8 @@ class App(Admin):
             except psycopg.errors.UndefinedTable as exc:
                 enqueuing.note_not_migrated(exc, self.schema)
                 raise
+            except UnicodeEncodeError as exc:
+                raise enqueuing.not_encodable(exc) from None
             if call is not None:
                 call.ids, call.inserted = ids, plan.inserted
         return ids
@@ -623,6 +629,8 @@ class App(Admin):
             except psycopg.errors.UndefinedTable as exc:
                 enqueuing.note_not_migrated(exc, self.schema)
                 raise
+            except UnicodeEncodeError as exc:
+                raise enqueuing.not_encodable(exc) from None
             if call is not None:
                 call.ids, call.inserted = ids, plan.inserted
         return ids

@@ -179,6 +179,15 @@ class Plan:
         return _assign_ids(self.specs, rows, existing)
 
 
+def not_encodable(exc: UnicodeEncodeError) -> ValidationError:
+    """The error for a job value the connection's encoding (the database's, when it is not
+    UTF8) cannot represent, raised by psycopg before the statement is sent."""
+    bad = exc.object[exc.start:exc.end]
+    return ValidationError("job", f"a value holds {bad!r}, which the database's encoding "
+                                  f"({exc.encoding}) cannot store: use a UTF8 database, or "
+                                  "leave such characters out")
+
+
 def needs_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
                       several: bool) -> bool:
     """Whether several statements need a transaction of their own: on an autocommit

@@ -99,8 +99,11 @@ class Completer:
                         if backoff.reset():
                             log.info("completer: the database is reachable again; "
                                      "recording outcomes")
-                    except psycopg.Error as exc:
-                        if connection_lost(exc) or conn is None or conn.broken:
+                    except (psycopg.Error, UnicodeEncodeError) as exc:
+                        # UnicodeEncodeError: a value the connection's encoding (a database
+                        # not in UTF8) cannot represent; nothing was sent
+                        if ((isinstance(exc, psycopg.Error) and connection_lost(exc))
+                                or conn is None or conn.broken):
                             await close_quietly(conn)
                             conn = None
                             delay = backoff.next()
@@ -167,14 +170,15 @@ class Completer:
                 self._pending.remove(o)
                 continue
             form = o if refused < TRIES_AS_IS else _safe(o, refusal,
-                                                         discard=refused > TRIES_AS_IS)
+                                                         discard=refused > TRIES_AS_IS,
+                                                         encoding=conn.info.encoding)
             try:
                 cur = await conn.execute(q.RECORD_OUTCOMES, outcome_params([form]))
                 applied.update({r[0]: (r[1], r[2]) for r in await cur.fetchall()})
                 self._refused.pop(key, None)
                 settled.append(form)
-            except psycopg.Error as exc:
-                if connection_lost(exc):
+            except (psycopg.Error, UnicodeEncodeError) as exc:
+                if isinstance(exc, psycopg.Error) and connection_lost(exc):
                     raise
                 if not isinstance(exc, _TRANSIENT):
                     refusal = str(exc).strip()
@@ -197,10 +201,12 @@ TRIES_AS_IS = 3
 RETRY_REFUSED = 0.1
 
 
-def _safe(o: Outcome, refusal: str, *, discard: bool) -> Outcome:
-    """A form of a refused outcome that the database should take: without the result, the
-    delay capped at SAFE_DELAY_MAX seconds, the handler's error (message and traceback) kept
-    and a note of the refusal added; with ``discard``, a discard with only the note."""
+def _safe(o: Outcome, refusal: str, *, discard: bool, encoding: str = "utf-8") -> Outcome:
+    """A form of a refused outcome that the database should take: without the result and
+    the progress, the delay capped at SAFE_DELAY_MAX seconds, the handler's error (message and
+    traceback) kept, with characters the connection's ``encoding`` (Python's name of it)
+    lacks replaced, and a note of the refusal added; with ``discard``, a discard with only
+    the note."""
     note = f"the outcome ({o.kind}) was refused by the database: {refusal[:1000]}"
     entry: dict[str, Any] = {"attempt": None, "error": note}
     if not discard and o.error is not None:
@@ -211,8 +217,12 @@ def _safe(o: Outcome, refusal: str, *, discard: bool) -> Outcome:
                      "traceback": str(original.get("traceback", ""))[-16_000:]}
         except (ValueError, AttributeError):
             pass
-    error = json.dumps({k: scrub_text(v) if isinstance(v, str) else v for k, v in entry.items()},
+    def fit(text: str) -> str:
+        return scrub_text(text).encode(encoding, "replace").decode(encoding)
+
+    error = json.dumps({k: fit(v) if isinstance(v, str) else v for k, v in entry.items()},
                        ensure_ascii=False)
     if discard:
-        return replace(o, kind="discard", delay=0.0, result=None, error=error)
-    return replace(o, delay=min(o.delay, SAFE_DELAY_MAX), result=None, error=error)
+        return replace(o, kind="discard", delay=0.0, result=None, error=error, progress=None)
+    return replace(o, delay=min(o.delay, SAFE_DELAY_MAX), result=None, error=error,
+                   progress=None)

@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 
-from ..db import Database, ReconnectDelay
+from ..db import Database, ReconnectDelay, connection_lost
 
 log = logging.getLogger("skipjack.heartbeat")
 
@@ -189,22 +189,58 @@ class HeartbeatThread(threading.Thread):
                 log.exception("lease expiry failed; retrying")
 
     def _write_progress(self) -> None:
-        """Write the progress reports made since the last tick, in one statement."""
+        """Write the progress reports made since the last tick, in one statement. A report
+        the database cannot take (a character its encoding lacks, say) is dropped with a
+        warning, so that it holds back neither the other reports nor the renewals.
+
+        Raises:
+            psycopg.Error: the connection was lost (the reports are kept for the next tick).
+        """
         pending = self._leases.take_progress()
         if not pending:
             return
         try:
-            if self._conn is None or self._conn.closed:
-                self._conn = self._db.connect()
-            # the reports are JSON text already: one array of objects, built as text
-            body = ",".join(f'{{"id":{i},"lease_version":{v},"progress":{p}}}'
-                            for i, v, p in pending)
-            written = {r[0] for r in self._conn.execute(self._db.queries.RECORD_PROGRESS,
-                                                        {"progress": f"[{body}]"}).fetchall()}
+            written = self._record_progress(pending)
+        except Exception as exc:
+            if isinstance(exc, psycopg.Error) and (connection_lost(exc) or self._broken()):
+                self._leases.put_back_progress(pending)
+                raise
+            written = self._record_progress_each(pending)
         except BaseException:
             self._leases.put_back_progress(pending)
             raise
         self._leases.put_back_progress([r for r in pending if r[0] not in written])
+
+    def _broken(self) -> bool:
+        return self._conn is None or self._conn.broken
+
+    def _record_progress(self, reports: list[tuple[int, int, str]]) -> set[int]:
+        """Write ``reports`` (job id, lease_version, JSON text) in one statement; the ids
+        written (a job whose lease this worker lost, or whose row is locked, is not)."""
+        if self._conn is None or self._conn.closed:
+            self._conn = self._db.connect()
+        # the reports are JSON text already: one array of objects, built as text
+        body = ",".join(f'{{"id":{i},"lease_version":{v},"progress":{p}}}'
+                        for i, v, p in reports)
+        return {r[0] for r in self._conn.execute(self._db.queries.RECORD_PROGRESS,
+                                                 {"progress": f"[{body}]"}).fetchall()}
+
+    def _record_progress_each(self, reports: list[tuple[int, int, str]]) -> set[int]:
+        """Write each report alone, after their batch was refused; drop those refused
+        (counted as written). Raises psycopg.Error when the connection is lost, with the
+        reports not yet written put back."""
+        written: set[int] = set()
+        for n, report in enumerate(reports):
+            try:
+                written |= self._record_progress([report])
+            except Exception as exc:
+                if isinstance(exc, psycopg.Error) and (connection_lost(exc) or self._broken()):
+                    self._leases.put_back_progress(reports[n:])
+                    raise
+                log.warning("progress of job %d could not be written, dropped: %s", report[0],
+                            str(exc).strip())
+                written.add(report[0])
+        return written
 
     def _beat(self) -> None:
         started = time.monotonic()

@@ -127,33 +127,49 @@ SELECT name, paused, concurrency_limit, rate_limit, rate_period FROM {schema}.qu
 # Re-enqueue discarded (dead-letter) jobs: a fresh set of attempts, runnable now. A job whose
 # idempotency key another job now holds is left alone (that one keeps the key). One row per
 # distinct id asked for, saying what became of it: its queue when retried, else its state as
-# read (NULL: no such job) and the job holding its key, if any. A holder inserted by a
-# transaction that commits while this runs makes the statement fail with a unique violation;
-# the caller runs it again, and then sees the holder.
+# read (NULL: no such job) and the job holding its key, if any. Of discarded jobs asked for
+# that share a key (possible when their unique_while leaves out 'discarded'), the newest is
+# retried and the others are left alone, held by it. A holder inserted by a transaction that
+# commits while this runs makes the statement fail with a unique violation; the caller runs
+# it again, and then sees the holder.
 RETRY_DISCARDED = """
 WITH asked AS (
     SELECT DISTINCT a.id FROM unnest(%(id)s::bigint[]) AS a(id)
+), candidates AS (
+    SELECT j.id, j.idempotency_key FROM {schema}.jobs AS j JOIN asked ON asked.id = j.id
+     WHERE j.state = 'discarded'
+), chosen AS (
+    -- of discarded jobs asked for that share a key, only the newest can be retried
+    SELECT c.id FROM candidates AS c
+     WHERE c.idempotency_key IS NULL OR NOT EXISTS (
+           SELECT 1 FROM candidates AS d
+            WHERE d.idempotency_key = c.idempotency_key AND d.id > c.id)
 ), retried AS (
     UPDATE {schema}.jobs AS j
        SET state = 'available', attempt = 0, run_at = now(), finished_at = NULL,
            cancel_requested = false
-      FROM asked
-     WHERE j.id = asked.id AND j.state = 'discarded'
+      FROM chosen
+     WHERE j.id = chosen.id AND j.state = 'discarded'
        AND (j.idempotency_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM {schema}.jobs AS o
              WHERE o.idempotency_key = j.idempotency_key AND o.id <> j.id
                AND (o.unique_states & {schema}.state_bit(o.state)) <> 0))
-    RETURNING j.id, j.queue
+    RETURNING j.id, j.queue, j.idempotency_key
 )
 SELECT asked.id, r.queue, j.state, j.idempotency_key, h.id AS holder, h.state AS holder_state
   FROM asked
   LEFT JOIN retried AS r ON r.id = asked.id
   LEFT JOIN {schema}.jobs AS j ON j.id = asked.id
   LEFT JOIN LATERAL (
-       SELECT o.id, o.state FROM {schema}.jobs AS o
-        WHERE r.id IS NULL AND o.idempotency_key = j.idempotency_key AND o.id <> j.id
-          AND (o.unique_states & {schema}.state_bit(o.state)) <> 0
-        ORDER BY o.id LIMIT 1) AS h ON true
+       SELECT k.id, k.state FROM (
+           SELECT o.id, o.state FROM {schema}.jobs AS o
+            WHERE o.idempotency_key = j.idempotency_key AND o.id <> j.id
+              AND (o.unique_states & {schema}.state_bit(o.state)) <> 0
+           UNION ALL  -- a job retried by this statement (the snapshot shows it discarded)
+           SELECT n.id, 'available' FROM retried AS n
+            WHERE n.idempotency_key = j.idempotency_key AND n.id <> j.id) AS k
+        WHERE r.id IS NULL
+        ORDER BY k.id LIMIT 1) AS h ON true
 """
 
 # A search's time limit, for its transaction only (milliseconds, as text).
