@@ -9,8 +9,13 @@ from pathlib import Path
 import psycopg
 import pytest
 from sqlalchemy import create_engine, text
-from sqlalchemy.ext.asyncio import create_async_engine
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.asyncio import (
+    AsyncSession,
+    async_scoped_session,
+    async_sessionmaker,
+    create_async_engine,
+)
+from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from skipjack import App, ValidationError
 
@@ -67,7 +72,6 @@ def test_enqueue_joins_an_async_session_and_connection(tasks: App) -> None:
         engine = create_async_engine(
             "postgresql+psycopg://",
             async_creator=lambda: psycopg.AsyncConnection.connect(tasks.dsn))
-        from sqlalchemy.ext.asyncio import AsyncSession
         task = tasks.tasks["orm_effect"]
         async with AsyncSession(engine) as session:
             await tasks.enqueue_async(task.job(), conn=session)
@@ -82,6 +86,82 @@ def test_enqueue_joins_an_async_session_and_connection(tasks: App) -> None:
 
     asyncio.run(scenario())
     assert jobs(tasks) == 2
+
+
+class AppSession(Session):
+    """A Session subclass of the application's own (its module is not SQLAlchemy's)."""
+
+
+def test_enqueue_joins_the_current_session_of_a_scoped_session(tasks: App) -> None:
+    # Flask-SQLAlchemy's db.session is a scoped_session: conn=db.session is its current session
+    engine = create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(tasks.dsn))
+    task = tasks.tasks["orm_effect"]
+    registry = scoped_session(sessionmaker(engine, class_=AppSession))
+    tasks.enqueue(task.job(), conn=registry)
+    assert jobs(tasks) == 0  # in the current session's open transaction
+    registry.rollback()
+    assert jobs(tasks) == 0
+    handle = tasks.enqueue(task.job(), conn=registry)
+    registry.commit()
+    assert jobs(tasks) == 1 and handle.state() == "available"
+    registry.remove()
+    with AppSession(engine) as session:  # a subclass outside SQLAlchemy's modules
+        tasks.enqueue(task.job(), conn=session)
+        session.commit()
+    assert jobs(tasks) == 2
+    engine.dispose()
+
+
+def test_enqueue_async_joins_the_current_session_of_an_async_scoped_session(
+        tasks: App) -> None:
+    async def scenario() -> None:
+        engine = create_async_engine(
+            "postgresql+psycopg://",
+            async_creator=lambda: psycopg.AsyncConnection.connect(tasks.dsn))
+        registry = async_scoped_session(async_sessionmaker(engine),
+                                        scopefunc=asyncio.current_task)
+        task = tasks.tasks["orm_effect"]
+        await tasks.enqueue_async(task.job(), conn=registry)
+        assert jobs(tasks) == 0
+        await registry.rollback()
+        assert jobs(tasks) == 0
+        await tasks.enqueue_async(task.job(), conn=registry)
+        await registry.commit()
+        assert jobs(tasks) == 1
+        await registry.remove()
+        await engine.dispose()
+
+    asyncio.run(scenario())
+    assert jobs(tasks) == 1
+
+
+def test_a_refusal_suggests_the_other_enqueue_only_for_the_other_kind(tasks: App) -> None:
+    engine = create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(tasks.dsn))
+    async_engine = create_async_engine(
+        "postgresql+psycopg://", async_creator=lambda: psycopg.AsyncConnection.connect(tasks.dsn))
+    job = tasks.tasks["orm_effect"].job()
+    with pytest.raises(ValidationError, match="it is async, use the async enqueue"):
+        tasks.enqueue(job, conn=AsyncSession(async_engine))
+    with pytest.raises(ValidationError, match="it is async, use the async enqueue"):
+        tasks.enqueue(job, conn=async_scoped_session(async_sessionmaker(async_engine),
+                                                    scopefunc=lambda: None))
+    with pytest.raises(ValidationError, match="it is sync, use the sync enqueue"):
+        asyncio.run(tasks.enqueue_async(job, conn=scoped_session(sessionmaker(engine))))
+    for wrong, hint in [(engine, "an engine is in no transaction; pass a Session or "
+                                 "Connection of it"),
+                        (sessionmaker(engine), "pass a session it made")]:
+        with pytest.raises(ValidationError) as refused:
+            tasks.enqueue(job, conn=wrong)
+        assert hint in str(refused.value) and "async" not in str(refused.value)
+    with pytest.raises(ValidationError, match="pass an AsyncSession or AsyncConnection"):
+        asyncio.run(tasks.enqueue_async(job, conn=async_engine))
+    with pytest.raises(ValidationError) as refused:
+        tasks.enqueue(job, conn=text("SELECT 1"))
+    assert str(refused.value).endswith("is not an SQLAlchemy Session, scoped_session or "
+                                       "Connection")
+    assert jobs(tasks) == 0
+    engine.dispose()
+    asyncio.run(async_engine.dispose())
 
 
 def test_the_wrong_kind_of_connection_is_refused_before_anything_is_written(

@@ -1,7 +1,8 @@
 """SQLAlchemy 2 (extra ``skipjack[sqlalchemy]``; the ``postgresql+psycopg`` driver).
 
 Enqueue in a session's transaction by passing it as ``conn``: ``Session``, ``Connection``,
-``AsyncSession`` and ``AsyncConnection`` are accepted (see ``skipjack.connections``)::
+``AsyncSession`` and ``AsyncConnection`` are accepted, and ``scoped_session`` and
+``async_scoped_session`` (their current session; see ``skipjack.connections``)::
 
     with Session(engine) as session, session.begin():
         session.add(Order(id=7))
