@@ -143,6 +143,19 @@ def test_progress_is_visible_while_the_job_runs_and_after(tasks: App, tmp_path: 
     assert handle.progress() == {"done": 2, "total": 2}
 
 
+def test_a_wait_begun_right_after_the_enqueue_never_hides_the_job_from_claims(
+        tasks: App, tmp_path: Path) -> None:
+    # the waiter's mark locks the job's row for an instant: a claim at that instant skips
+    # the job, so the mark wakes the queue again; and a mark that meets a claim's lock is
+    # tried again soon. With polls an hour apart, every wait must still end in seconds.
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--poll-interval", "1h",
+                       "--stage-interval", "1h", app="results_app:app",
+                       log=tmp_path / "worker.log"):
+        add = tasks.tasks["add"]
+        for i in range(40):
+            assert add.enqueue(a=i, b=1).result(timeout=30) == {"sum": i + 1}
+
+
 def test_progress_the_database_cannot_store_is_dropped_and_leases_are_renewed(
         server: Server, tmp_path: Path) -> None:
     # a LATIN1 database has no check mark: that report cannot be written, and must neither

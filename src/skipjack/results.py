@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from .db import ReconnectDelay, done_channel_name
+from .db import ReconnectDelay, channel_name, done_channel_name
 from .errors import JobFailed, JobNotFound, ResultTimeout, ValidationError
 from .sql.schema import listen_statement
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("skipjack.results")
 
 POLL_INTERVAL = 1.0  # seconds between a waiter's reads of its job, notification or not
+MARK_RETRY = 0.005  # seconds before a mark that met a locked row is tried again (doubling)
 LISTEN_WAIT = 1.0  # seconds a first waiter waits for the listener's LISTEN before reading
 FINISHED = frozenset({"succeeded", "discarded", "cancelled"})
 
@@ -103,14 +104,16 @@ class JobHandle(int):
         listener.add(int(self), event.set)
         try:
             listener.wait_listening(min(LISTEN_WAIT, _left(deadline)))
-            _mark(self.app, int(self))
+            retry = None if _mark(self.app, int(self)) else MARK_RETRY
             while True:
                 row = _read(self.app, int(self))
-                wait = _next_wait(int(self), row, deadline, timeout)
+                wait = _next_wait(int(self), row, deadline, timeout, retry)
                 if wait is None:
                     return _outcome(int(self), row)
                 event.wait(wait)
                 event.clear()
+                if retry is not None:
+                    retry = None if _mark(self.app, int(self)) else _later(retry)
         finally:
             listener.remove(int(self), event.set)
 
@@ -131,10 +134,11 @@ class JobHandle(int):
         listener.add(int(self), wake)
         try:
             await asyncio.to_thread(listener.wait_listening, min(LISTEN_WAIT, _left(deadline)))
-            await asyncio.to_thread(_mark, self.app, int(self))
+            marked = await asyncio.to_thread(_mark, self.app, int(self))
+            retry = None if marked else MARK_RETRY
             while True:
                 row = await asyncio.to_thread(_read, self.app, int(self))
-                wait = _next_wait(int(self), row, deadline, timeout)
+                wait = _next_wait(int(self), row, deadline, timeout, retry)
                 if wait is None:
                     return _outcome(int(self), row)
                 try:
@@ -142,6 +146,9 @@ class JobHandle(int):
                 except TimeoutError:
                     pass
                 event.clear()
+                if retry is not None:
+                    marked = await asyncio.to_thread(_mark, self.app, int(self))
+                    retry = None if marked else _later(retry)
         finally:
             listener.remove(int(self), wake)
 
@@ -159,8 +166,9 @@ def _left(deadline: float | None) -> float:
 
 
 def _next_wait(job_id: int, row: dict[str, Any], deadline: float | None,
-               timeout: float | None) -> float | None:
-    """Seconds to wait before reading the job again; None once it ended.
+               timeout: float | None, retry: float | None = None) -> float | None:
+    """Seconds to wait before reading the job again (at most ``retry``, when the mark is
+    still to be made); None once it ended.
 
     Raises:
         ResultTimeout: it has not ended and the deadline passed.
@@ -171,14 +179,24 @@ def _next_wait(job_id: int, row: dict[str, Any], deadline: float | None,
     if left <= 0:
         raise ResultTimeout(f"job {job_id} had not ended within {timeout}s "
                             f"(it is {row['state']})")
-    return min(POLL_INTERVAL, left)
+    return min(POLL_INTERVAL, left, POLL_INTERVAL if retry is None else retry)
 
 
-def _mark(app: Admin, job_id: int) -> None:
+def _later(retry: float) -> float:
+    """The next wait before a mark is tried again: doubling, up to ``POLL_INTERVAL``."""
+    return min(2 * retry, POLL_INTERVAL)
+
+
+def _mark(app: Admin, job_id: int) -> bool:
+    """Mark the job awaited (see ``MARK_AWAITED``); whether the mark is done (False: its row
+    was locked, try again)."""
     with app.reading() as conn:
-        conn.execute(app.queries.MARK_AWAITED, {"id": job_id})
+        rows = conn.execute(app.queries.MARK_AWAITED,
+                            {"id": job_id, "channel": channel_name(app.queries.schema)}
+                            ).fetchall()
         if not conn.autocommit:
             conn.commit()  # the mark must be visible before the job's end is written
+    return bool(rows)
 
 
 def _read(app: Admin, job_id: int) -> dict[str, Any]:

@@ -74,6 +74,9 @@ class Producer:
         self._poll_interval = poll_interval
         self.wakeup = asyncio.Event()
         self.due = dict.fromkeys(self._queues, True)  # queues that may have jobs for us
+        # wake-ups per queue: one that comes while a claim of the queue runs (a commit the
+        # claim's snapshot missed) keeps the queue due when the claim comes back short
+        self._woken = dict.fromkeys(self._queues, 0)
         self._claims = dict.fromkeys(self._queues, 0)  # claims that took jobs, per queue
         self._limited: set[str] = set()
         self._refresh = True  # re-read which queues are limited before the next claim
@@ -84,6 +87,7 @@ class Producer:
         """``queue`` may have runnable jobs now (a notification, or the stager made some)."""
         if queue in self.due:
             self.due[queue] = self._claim_mode.due[queue] = True
+            self._woken[queue] += 1
             self.wakeup.set()
 
     def settings_changed(self, queue: str) -> None:
@@ -96,6 +100,7 @@ class Producer:
         """Every queue may have runnable jobs (after a poll interval, or a reconnection)."""
         for q in self.due:
             self.due[q] = self._claim_mode.due[q] = True
+            self._woken[q] += 1
         self.wakeup.set()
 
     def slot_freed(self, queue: str | None = None) -> None:
@@ -133,6 +138,7 @@ class Producer:
                     if not self.due[queue]:
                         continue
                     want = min(free, self._batch_size, max(1, -(-free // sharing)))
+                    woken = self._woken[queue]
                     try:
                         if conn is None or conn.closed:
                             conn = await self._db.connect_async()
@@ -160,7 +166,7 @@ class Producer:
                             pass
                         self.mark_all_due()  # rescan after reconnecting
                         break
-                    if len(rows) < want:
+                    if len(rows) < want and self._woken[queue] == woken:
                         self.due[queue] = False
                         if queue in self._limited:  # a limit may lift soon (rate window)
                             loop.call_later(0.5, self.mark_due, queue)

@@ -6,13 +6,26 @@ from __future__ import annotations
 # A caller is about to wait for this job: its end will be announced (the jobs_finished
 # trigger of migration 6). A finished job is left as it is; so is one already awaited (no
 # write at all). It never waits on a row lock (SKIP LOCKED): a transaction="claim" job's row
-# stays locked while its handler runs, and its waiter then relies on its reads.
+# stays locked while its handler runs, and a claim's for an instant. One row when the mark
+# is done (made now, made before, or not needed: the job ended); none when the row was
+# locked, and the waiter tries again. The mark's own row lock may have made a claim skip an
+# available job: the job's queue is then woken again.
 MARK_AWAITED = """
-UPDATE {schema}.jobs SET awaited = true
- WHERE id = (SELECT id FROM {schema}.jobs
-              WHERE id = %(id)s AND NOT awaited
-                AND state IN ('scheduled', 'available', 'running')
-                FOR NO KEY UPDATE SKIP LOCKED)
+WITH marked AS (
+    UPDATE {schema}.jobs SET awaited = true
+     WHERE id = (SELECT id FROM {schema}.jobs
+                  WHERE id = %(id)s AND NOT awaited
+                    AND state IN ('scheduled', 'available', 'running')
+                    FOR NO KEY UPDATE SKIP LOCKED)
+    RETURNING queue, state
+)
+SELECT pg_notify(%(channel)s, queue)::text FROM marked
+ WHERE state = 'available' AND {schema}.may_notify()
+UNION ALL
+SELECT NULL FROM marked WHERE NOT (state = 'available' AND {schema}.may_notify())
+UNION ALL
+SELECT NULL FROM {schema}.jobs
+ WHERE id = %(id)s AND (awaited OR state NOT IN ('scheduled', 'available', 'running'))
 """
 
 # What a waiter reads: the state, the result or the errors, and the progress.
