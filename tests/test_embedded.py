@@ -55,10 +55,10 @@ def test_a_killed_last_user_still_stops_the_server(data_dir: Path) -> None:
         wait_until(lambda: status(data_dir)["users"] == [second.pid], timeout=60,
                    what="the dead user forgotten")
         assert status(data_dir)["running"] is True  # the other one still uses it
-        second.send_signal(signal.SIGKILL)
-        second.wait(30)
+        second.send_signal(signal.SIGKILL)  # not reaped yet: a zombie is no user either
         wait_until(lambda: status(data_dir)["running"] is False, timeout=60,
                    what="the watcher stopped the server")
+        second.wait(30)
     finally:
         for proc in (first, second):
             if proc.poll() is None:

@@ -73,8 +73,8 @@ class Account:
         left = sum(self.left_alone.values())
         if not left:
             return done + "."
-        reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.left_alone.items(),
-                                                                key=lambda i: -i[1]))
+        reasons = ", ".join(f"{n} {why}s" if n > 1 and why == "no such job" else f"{n} {why}"
+                            for why, n in sorted(self.left_alone.items(), key=lambda i: -i[1]))
         return f"{done}; {left} left alone: {reasons}."
 
 

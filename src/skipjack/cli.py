@@ -247,6 +247,7 @@ def _serving(what: str, host: str, port: int) -> click.ClickException:
 
 
 @main.command()
+@click.argument("app_path", metavar="[MODULE:APP]", required=False)
 @click.option("--lock-timeout", default=f"{LOCK_TIMEOUT:g}s", show_default=True,
               type=DURATION,
               help="The longest each lock wait lasts (the queue's statements on a table "
@@ -261,11 +262,12 @@ def _serving(what: str, host: str, port: int) -> click.ClickException:
                    "schema) for a DBA to run: one transaction, each migration followed by "
                    "its record.")
 @click.pass_context
-def migrate(ctx: click.Context, lock_timeout: float, attempts: int, check: bool,
-            as_sql: bool) -> None:
+def migrate(ctx: click.Context, app_path: str | None, lock_timeout: float, attempts: int,
+            check: bool, as_sql: bool) -> None:
     """Create or upgrade the schema (safe to run from many processes at once, and while
-    workers run: it gives up a lock wait after --lock-timeout and tries again)."""
-    app = _app(ctx)
+    workers run: it gives up a lock wait after --lock-timeout and tries again). With
+    MODULE:APP, the database and schema of that app."""
+    app = _app(ctx, app_path)
     if check or as_sql:
         from .migrate import pending, pending_sql
 
@@ -649,8 +651,11 @@ def _selection(func: Any) -> Any:
                      help="Jobs enqueued before: a duration ago or an ISO time."),
         click.option("--error-contains", "error", default=None,
                      help="Jobs with this text (any case) in an attempt's error."),
-        click.option("--all", "everything", is_flag=True,
-                     help="Every job the action applies to (no other filter needed)."),
+        # no environment variable (envvar=[]): acting on every job must be asked for on the
+        # command line itself
+        click.option("--all", "everything", is_flag=True, envvar=[],
+                     help="Every job the action applies to (no other filter needed); not "
+                          "read from the environment."),
         click.option("--dry-run", is_flag=True,
                      help="Change nothing: say what would be done, job by job."),
     ]
@@ -667,6 +672,8 @@ def _when(text: str | None, name: str) -> datetime | None:
         return datetime.now(UTC) - timedelta(seconds=durations.parse_duration(text))
     except ValueError:
         pass
+    except OverflowError:
+        raise click.BadParameter(f"{text!r} reaches before year 1", param_hint=name) from None
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
@@ -872,7 +879,8 @@ def run(args: list[str] | None = None, obj: dict[str, Any] | None = None,
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     except psycopg.errors.UndefinedTable as exc:
-        click.echo(f"error: {str(exc).strip()}: is the schema migrated? run `skipjack migrate`",
+        click.echo(f"error: {str(exc).strip()}: is the schema migrated? run `skipjack migrate` "
+                   "with the same --dsn and --schema (or `skipjack migrate MODULE:APP`)",
                    err=True)
         sys.exit(2)
     except psycopg.Error as exc:

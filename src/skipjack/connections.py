@@ -63,7 +63,7 @@ def _sqlalchemy_hint(conn: object, *, sync: bool) -> str:
     if sync and isinstance(conn, (AsyncSession, AsyncConnection, async_scoped_session)):
         return ": it is async, use the async enqueue (enqueue_async)"
     if not sync and isinstance(conn, (Session, Connection, scoped_session)):
-        return ": it is sync, use the sync enqueue (enqueue)"
+        return ": it is sync, use the sync enqueue (enqueue, or enqueue_on for a task)"
     return ""
 
 
@@ -138,7 +138,8 @@ async def async_connection(conn: object) -> psycopg.AsyncConnection[Any]:
         raise _wrong(conn, "is not an SQLAlchemy AsyncSession, async_scoped_session or "
                            "AsyncConnection" + _sqlalchemy_hint(conn, sync=False))
     if isinstance(conn, psycopg.Connection):
-        raise _wrong(conn, "is sync: use the sync enqueue (enqueue)")
+        raise _wrong(conn, "is sync: use the sync enqueue (enqueue, or enqueue_on for a "
+                           "task)")
     raise _wrong(conn, "is not a connection skipjack can enqueue on: give a psycopg "
                        "AsyncConnection, or an SQLAlchemy AsyncSession, async_scoped_session "
                        "or AsyncConnection")

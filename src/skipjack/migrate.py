@@ -341,8 +341,9 @@ def check_schema(conn: psycopg.Connection[object], schema: str) -> None:
         version = conn.execute(q.SCHEMA_VERSION).fetchone()[0]  # type: ignore[index]
     if version is None:
         raise SchemaVersionError(
-            f"schema {schema!r} has no skipjack tables: run `skipjack migrate` "
-            "(or App.migrate()) first"
+            f"schema {schema!r} has no skipjack tables: migrate it first (`skipjack migrate "
+            "MODULE:APP`, or `skipjack migrate` with this --dsn and --schema, or "
+            "App.migrate())"
         )
     if version > LATEST_VERSION:
         raise SchemaVersionError(_too_new(schema, version))

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 
 import click
 from rich.console import Console
 
-from skipjack.cli import parse_duration
+from skipjack.cli import DURATION
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value!r} is not a number of milliseconds")
+    return value
 
 
 @click.command()
@@ -51,39 +58,42 @@ def demo(ctx: click.Context, n_jobs: int, concurrency: int, fail_rate: float,
 @click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 64),
               help="Worker processes.")
 @click.option("--concurrency", default=16, show_default=True, type=click.IntRange(1, 1000))
-@click.option("--duration-ms", default=10.0, show_default=True, type=float,
+@click.option("--duration-ms", default=10.0, show_default=True,
+              type=click.FloatRange(0, 600_000), callback=lambda ctx, param, v: _finite(v),
               help="Work per job.")
-@click.option("--kill-every", default="0", help="SIGKILL a random worker (e.g. 2s); 0: never.")
-@click.option("--stall-every", default="0", help="SIGSTOP a worker past its lease, then resume.")
-@click.option("--term-every", default="0",
+@click.option("--kill-every", default="0", type=DURATION,
+              help="SIGKILL a random worker (e.g. 2s); 0: never.")
+@click.option("--stall-every", default="0", type=DURATION,
+              help="SIGSTOP a worker past its lease, then resume.")
+@click.option("--term-every", default="0", type=DURATION,
               help="SIGTERM a worker (a graceful stop) and start its replacement at once, as a "
                    "rolling deploy does.")
-@click.option("--restart-db-every", default="0", help="Restart PostgreSQL.")
-@click.option("--terminate-backends-every", default="0",
+@click.option("--restart-db-every", default="0", type=DURATION, help="Restart PostgreSQL.")
+@click.option("--terminate-backends-every", default="0", type=DURATION,
               help="pg_terminate_backend every session of the workers.")
 @click.option("--restart-cmd", default=None,
               help="Command that restarts an external server, e.g. "
                    "'pg_ctlcluster 15 main restart -m fast'.")
-@click.option("--lease", default=2.0, show_default=True, type=float, help="Seconds.")
+@click.option("--lease", default="2s", show_default=True, type=DURATION,
+              help="The workers' lease.")
 @click.option("--seed", default=None, type=int)
-@click.option("--timeout", default="600s", show_default=True, help="Give up after this long.")
+@click.option("--timeout", default="600s", show_default=True, type=DURATION,
+              help="Give up after this long.")
 @click.option("--json", "as_json", is_flag=True, help="Print the audit as one JSON object.")
 @click.pass_context
 def chaos(ctx: click.Context, n_jobs: int, workers: int, concurrency: int, duration_ms: float,
-          kill_every: str, stall_every: str, term_every: str, restart_db_every: str,
-          terminate_backends_every: str, restart_cmd: str | None, lease: float,
-          seed: int | None, timeout: str, as_json: bool) -> None:
+          kill_every: float, stall_every: float, term_every: float, restart_db_every: float,
+          terminate_backends_every: float, restart_cmd: str | None, lease: float,
+          seed: int | None, timeout: float, as_json: bool) -> None:
     """Run jobs while killing, stalling and cutting off workers and restarting PostgreSQL;
     audit lost, stuck and duplicated work (exit 1 on any)."""
     from .chaos import ChaosOptions, run_chaos
 
     opts = ChaosOptions(
         jobs=n_jobs, workers=workers, concurrency=concurrency, duration_ms=duration_ms,
-        kill_every=parse_duration(kill_every), stall_every=parse_duration(stall_every),
-        term_every=parse_duration(term_every),
-        restart_db_every=parse_duration(restart_db_every),
-        terminate_backends_every=parse_duration(terminate_backends_every),
-        restart_cmd=restart_cmd, lease=lease, seed=seed, timeout=parse_duration(timeout),
+        kill_every=kill_every, stall_every=stall_every, term_every=term_every,
+        restart_db_every=restart_db_every, terminate_backends_every=terminate_backends_every,
+        restart_cmd=restart_cmd, lease=lease, seed=seed, timeout=timeout,
         schema=(ctx.obj["schema"] or "skipjack") + "_chaos")
     try:
         audit = run_chaos(ctx.obj["dsn"], opts, echo=None if as_json else click.echo)
