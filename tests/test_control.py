@@ -337,6 +337,23 @@ def test_worker_prunes_with_retention(tasks: App, tmp_path: Path) -> None:
                    what="succeeded and cancelled pruned, discarded kept longer")
 
 
+def test_a_worker_prunes_by_default_after_7_days_and_70_for_the_dead_letter(
+        tasks: App, tmp_path: Path) -> None:
+    """No --retention: succeeded and cancelled jobs older than 7 days go, the dead letter
+    after 70; younger ones stay."""
+    query(tasks.dsn, """
+        INSERT INTO {schema}.jobs (queue, task, state, finished_at, attempt)
+        SELECT 'old', 't', s, now() - make_interval(days => d), 1
+          FROM unnest(ARRAY['succeeded', 'cancelled', 'succeeded', 'discarded', 'discarded'],
+                      ARRAY[8, 8, 6, 69, 71]) AS x(s, d)""", schema=tasks.schema)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1, "discarded": 1},
+                   timeout=60, what="the jobs past the default retention pruned")
+    assert query(tasks.dsn, "SELECT state, extract(day FROM now() - finished_at)::int "
+                            "FROM {schema}.jobs ORDER BY 1", schema=tasks.schema) == [
+        ("discarded", 69), ("succeeded", 6)]
+
+
 def test_the_pruner_keeps_up_with_a_busy_queue(tasks: App, tmp_path: Path) -> None:
     """20,000 jobs past their retention (a busy hour's worth) are pruned in one go, batch
     after batch, not one batch of 1,000 per 10 s interval: that kept at most 100 jobs/s, so
