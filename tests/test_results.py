@@ -242,6 +242,28 @@ def test_progress_not_written_is_put_back_unless_a_newer_one_came() -> None:
     assert leases.take_progress() == [(2, 8, '{"n":3}')]
 
 
+def test_the_due_time_notification_says_when_whatever_the_transaction_s_length(
+        tasks: App) -> None:
+    # it names the soonest run_at itself (the database's clock), so a job enqueued in a
+    # transaction that stays open past its due time is staged at once after the commit;
+    # seconds counted from the insert would stage it that much later
+    from skipjack.db import due_channel_name
+
+    with tasks.connect() as listener, tasks.connect(autocommit=False) as caller:
+        listener.execute(sql.SQL("LISTEN {}").format(
+            sql.Identifier(due_channel_name(tasks.schema))))
+        handle = tasks.tasks["add"].configure(delay=0.3).enqueue_on(caller, a=1, b=1)
+        due = query(tasks.dsn, "SELECT now()")[0][0]  # a clock reading after the insert
+        wait_until(lambda: query(tasks.dsn, "SELECT now() > %s::timestamptz + "
+                                            "interval '0.5 s'", (due,))[0][0],
+                   what="the job's due time passed while its transaction is open")
+        caller.commit()
+        notes = list(listener.notifies(timeout=10, stop_after=1))
+    run_at = query(tasks.dsn, "SELECT extract(epoch FROM run_at)::float8 FROM {schema}.jobs "
+                              "WHERE id = %s", (handle.id,), tasks.schema)[0][0]
+    assert [float(n.payload) for n in notes] == [pytest.approx(run_at, abs=1e-6)]
+
+
 def test_delayed_and_retried_jobs_start_on_time_whatever_the_stage_interval(
         tasks: App, tmp_path: Path) -> None:
     # a stager an hour apart: only the due-time notification (a delayed enqueue) and the

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
@@ -29,7 +31,8 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
         on_settings: called with the queue name of each change of a queue's settings
             (paused, limits).
         on_due: called with the seconds until the soonest of the delayed jobs an enqueue
-            wrote is due.
+            wrote is due (its time on the database's clock, told apart from this host's
+            by a reading at each connection).
         on_connect: called after each (re)connection, so the caller rescans every queue
             (notifications sent while the listener was away are lost).
         health_interval: seconds of silence after which ``SELECT 1`` checks the connection.
@@ -46,6 +49,7 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
             async with await db.connect_async() as conn:
                 for statement in statements:
                     await conn.execute(statement)
+                offset = await _clock_offset(conn, db)
                 if backoff.reset():
                     log.info("listener: listening again")
                 on_connect()
@@ -55,9 +59,10 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
                             on_settings(note.payload)
                         elif note.channel == due:
                             try:
-                                on_due(float(note.payload))
+                                at = float(note.payload)
                             except ValueError:
-                                pass
+                                continue
+                            on_due(max(0.0, at - offset - time.time()))
                         else:
                             on_queue(note.payload)
                     await conn.execute(db.queries.PING)  # detects a dead connection
@@ -66,6 +71,14 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
             delay = backoff.next()
             log.warning("listener: %s (reconnecting in %.1fs)", str(exc).strip(), delay)
             await asyncio.sleep(delay)
+
+
+async def _clock_offset(conn: psycopg.AsyncConnection[Any], db: Database) -> float:
+    """The database's clock minus this host's, in seconds (to within half a round trip)."""
+    before = time.time()
+    row = await (await conn.execute(db.queries.DB_EPOCH)).fetchone()
+    after = time.time()
+    return float(row[0]) - (before + after) / 2 if row else 0.0
 
 
 async def probe(db: Database, timeout: float = 5.0) -> None:

@@ -187,6 +187,7 @@ class Queries:
 
     # schema
     DB_NOW = Statement(schema.DB_NOW)
+    DB_EPOCH = Statement(schema.DB_EPOCH)
     DROP_SCHEMA = Statement(schema.DROP_SCHEMA)
     SCHEMA_VERSION = Statement(schema.SCHEMA_VERSION)
     SCHEMA_EXISTS = Statement(schema.SCHEMA_EXISTS)

@@ -8,6 +8,10 @@ from psycopg import sql
 # The database clock, which every time skipjack computes is read from.
 DB_NOW = "SELECT now()"
 
+# The database clock as seconds since 1970-01-01 UTC, at the moment the statement runs: how
+# far a worker's clock is from it (the due-time notifications give the database's times).
+DB_EPOCH = "SELECT extract(epoch FROM clock_timestamp())::float8"
+
 DROP_SCHEMA = "DROP SCHEMA IF EXISTS {schema} CASCADE"
 
 SCHEMA_VERSION = """
