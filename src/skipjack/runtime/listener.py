@@ -47,9 +47,9 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
     while True:
         try:
             async with await db.connect_async() as conn:
-                for statement in statements:
-                    await conn.execute(statement)
                 offset = await _clock_offset(conn, db)
+                for statement in statements:  # last: a LISTEN shows a ready worker
+                    await conn.execute(statement)
                 if backoff.reset():
                     log.info("listener: listening again")
                 on_connect()
