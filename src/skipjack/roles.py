@@ -109,8 +109,9 @@ def grant(conn: psycopg.Connection[Any], schema: str, *, worker: str | None = No
     """Run ``grants(...)`` in one transaction and commit; returns the statements run.
 
     Raises:
-        As ``grants``; psycopg.Error when the database refuses a statement (nothing of
-        this call is kept).
+        SchemaVersionError: as ``grants``.
+        ConfigError: as ``grants``.
+        psycopg.Error: the database refused a statement (nothing of this call is kept).
     """
     with conn.transaction():
         done = grants(conn, schema, worker=worker, enqueuer=enqueuer)

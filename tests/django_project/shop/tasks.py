@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import time
 
+from asgiref.sync import sync_to_async
+from django.db import connection
 from django.tasks import task
 
 from shop.models import Effect, Order
@@ -24,6 +26,19 @@ def orm_effect(seconds: float = 0.0) -> None:
     """Writes its effect through the ORM in the job's transaction, then takes ``seconds``."""
     Effect.objects.create(job_id=current_job().job.id, pid=os.getpid())
     time.sleep(seconds)
+
+
+@app.task(name="shop.async_orm", max_attempts=1)
+async def async_orm(order_id: int) -> int:
+    """Reads an order through the ORM from async code; returns the server process id of
+    the Django connection that served it."""
+    def read() -> int:
+        Order.objects.filter(id=order_id).count()
+        with connection.cursor() as cur:
+            cur.execute("SELECT pg_backend_pid()")
+            return int(cur.fetchone()[0])
+
+    return await sync_to_async(read)()
 
 
 @task()
@@ -50,3 +65,10 @@ def receipt(order_id: int) -> str:
 @task()
 async def async_double(n: int) -> int:
     return 2 * n
+
+
+@task()
+def note(label: str) -> str:
+    """Writes an order noted ``label``: the orders' ids tell the order the tasks ran in."""
+    Order.objects.create(note=label)
+    return label

@@ -34,6 +34,11 @@ Statuses: a job waiting (or scheduled for a retry) is READY, a running one RUNNI
 succeeded one SUCCESSFUL, and a discarded or cancelled one FAILED. Attempts are counted by
 skipjack (``TaskResult.attempts``); ``task_started`` is sent at each attempt's start,
 ``task_finished`` at its end unless another attempt follows.
+
+Under ``skipjack.testing.inline(app)`` a task runs inside ``enqueue``, as with Django's
+immediate backend: the result returned is final (SUCCESSFUL with its return value, or FAILED
+with the error, which is not raised), has a negative id, and ``get_result`` knows it (the
+newest ``INLINE_RESULTS_KEPT`` of them, in memory: nothing was written).
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ import string
 import sys
 import threading
 import traceback
+from collections import OrderedDict
 from contextlib import nullcontext
+from contextvars import ContextVar
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -81,6 +88,14 @@ if TYPE_CHECKING:  # generic in django-stubs only
 else:
     DjangoTask, TaskResult = _DjangoTask, _TaskResult
 _WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
+
+# Results of tasks run under skipjack.testing.inline (negative ids) that get_result knows.
+INLINE_RESULTS_KEPT = 1000
+_inline_results: OrderedDict[int, TaskResult] = OrderedDict()
+_inline_lock = threading.Lock()
+# The results of the inline runs of one backend enqueue (None: no enqueue of the backend's).
+_inline_runs: ContextVar[list[TaskResult] | None] = ContextVar("skipjack_inline_runs",
+                                                               default=None)
 
 STATUS = {"scheduled": TaskResultStatus.READY, "available": TaskResultStatus.READY,
           "running": TaskResultStatus.RUNNING, "succeeded": TaskResultStatus.SUCCESSFUL,
@@ -140,12 +155,16 @@ class SkipjackBackend(BaseTaskBackend):
     def enqueue(self, task: _DjangoTask[_P, _R], args: list[Any], kwargs: dict[str, Any]
                 ) -> _TaskResult[_P, _R]:
         """Write the task as a job on Django's connection; returns its result (READY).
+        Under ``skipjack.testing.inline`` the task runs now instead, and the result returned
+        is its outcome (SUCCESSFUL, or FAILED with the error; see the module's doc).
 
         Raises:
             InvalidTask: the task breaks a rule of Django's (see ``validate_task``).
             TypeError: an argument is not JSON (Django's ``normalize_json``).
             ValidationError: a value out of skipjack's ranges, or an idempotency key's
-                format names an argument the call does not have.
+                format names an argument the call does not have; (field ``conn``) Django's
+                connection is in an atomic block it may not be used in (see
+                ``DjangoApp.default_connection``).
         """
         self.validate_task(task)
         args, kwargs = list(normalize_json(list(args))), dict(normalize_json(dict(kwargs)))  # type: ignore[arg-type]
@@ -166,8 +185,26 @@ class SkipjackBackend(BaseTaskBackend):
             idempotency_key=key,
         ).job(args=args, kwargs=kwargs,
               run_after=task.run_after.isoformat() if task.run_after else None)
-        job_id = self.app.enqueue(spec)
-        result = self.get_result(str(job_id))
+        runs: list[TaskResult] = []
+        token = _inline_runs.set(runs)
+        try:
+            job_id: int | None = self.app.enqueue(spec)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            if not (runs and runs[-1].status == TaskResultStatus.FAILED):
+                raise
+            job_id = None  # it ran inline and failed: the result says so, as Django's does
+        finally:
+            _inline_runs.reset(token)
+        if job_id is not None and job_id > 0:
+            result = self.get_result(str(job_id))
+        elif runs:  # run by skipjack.testing.inline
+            result = runs[-1]
+            _keep_inline(result)
+        else:
+            raise RuntimeError(f"task {task.module_path!r}: job {job_id} was run by an "
+                               f"inline enqueue that did not report its result")
         from django.tasks.signals import task_enqueued
         task_enqueued.send(type(self), task_result=result)
         return result  # type: ignore[return-value]  # the same task, read back
@@ -177,6 +214,9 @@ class SkipjackBackend(BaseTaskBackend):
         open transaction is seen (on a thread running an event loop, where Django refuses
         its connection, on a connection of the app's).
 
+        A negative id is a task run by ``skipjack.testing.inline``: its result is kept in
+        memory (the newest ``INLINE_RESULTS_KEPT``).
+
         Raises:
             TaskResultDoesNotExist: no job has this id (or it was pruned by retention).
         """
@@ -184,8 +224,14 @@ class SkipjackBackend(BaseTaskBackend):
             job_id = int(result_id)
         except (TypeError, ValueError):
             raise TaskResultDoesNotExist(result_id) from None
+        if job_id < 0:
+            with _inline_lock:
+                kept = _inline_results.get(job_id)
+            if kept is None:
+                raise TaskResultDoesNotExist(result_id)
+            return kept
         app = self.app
-        django_conn = app.default_connection()
+        django_conn = app.django_connection(in_atomic_block="other")
         with nullcontext(django_conn) if django_conn else app.reading() as conn, \
                 reading_cursor(conn) as cur:
             row = cur.execute(app.queries.GET_JOB, {"id": job_id}).fetchone()
@@ -263,6 +309,15 @@ def _task_options(where: str, options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _keep_inline(result: TaskResult) -> None:
+    """Remember the result of an inline run for ``get_result`` (the newest
+    ``INLINE_RESULTS_KEPT``)."""
+    with _inline_lock:
+        _inline_results[int(result.id)] = result
+        while len(_inline_results) > INLINE_RESULTS_KEPT:
+            _inline_results.popitem(last=False)
+
+
 def _time(value: object) -> datetime | None:
     return datetime.fromisoformat(value) if isinstance(value, str) else None
 
@@ -328,9 +383,12 @@ def runner_for_path(app: DjangoApp, path: str) -> Task | None:
 def _run(django_task: DjangoTask, backend: BaseTaskBackend, args: list[Any],
          kwargs: dict[str, Any]) -> Any:
     """Run one attempt of a Django task in a skipjack worker, as Django's immediate backend
-    runs one: signals, the context, the JSON return value."""
+    runs one: signals, the context, the JSON return value. Under ``skipjack.testing.inline``
+    (a negative job id) the one attempt is the last, and its result goes to the enqueue
+    that ran it."""
     ctx = current_job()
     job = ctx.job
+    inline = job.id < 0
     result: TaskResult = _TaskResult(
         task=django_task.using(priority=job.priority, queue_name=job.queue),
         id=str(job.id), status=TaskResultStatus.RUNNING, enqueued_at=job.created_at,
@@ -338,7 +396,8 @@ def _run(django_task: DjangoTask, backend: BaseTaskBackend, args: list[Any],
         args=args, kwargs=kwargs, backend=backend.alias, errors=[],
         worker_ids=[_WORKER_ID] * job.attempt)
     task_started.send(type(backend), task_result=result)
-    last = job.attempt >= job.max_attempts
+    last = job.attempt >= job.max_attempts or inline
+    runs = _inline_runs.get() if inline else None
     try:
         if django_task.takes_context:
             value = django_task.call(TaskContext(task_result=result), *args, **kwargs)
@@ -355,11 +414,15 @@ def _run(django_task: DjangoTask, backend: BaseTaskBackend, args: list[Any],
                 exception_class_path=f"{type(exc).__module__}.{type(exc).__qualname__}",
                 traceback="".join(traceback.format_exception(exc))))
             task_finished.send(type(backend), task_result=result)
+            if runs is not None:
+                runs.append(result)
         raise  # recorded by the worker: a retry, or the dead letter after the last attempt
     object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
     object.__setattr__(result, "finished_at", timezone.now())
     object.__setattr__(result, "_return_value", value)
     task_finished.send(type(backend), task_result=result)
+    if runs is not None:
+        runs.append(result)
     return value
 
 
