@@ -34,6 +34,13 @@ def stepwise(gate: str) -> str:
     schema's gates table), then report the second step."""
     ctx = current_job()
     ctx.progress({"done": 1, "total": 2})
+    _wait_for(gate)
+    ctx.progress({"done": 2, "total": 2})
+    return "through"
+
+
+def _wait_for(gate: str) -> None:
+    """Wait (up to a minute) until the test opens ``gate``: a row in the gates table."""
     statement = sql.SQL("SELECT 1 FROM {}.gates WHERE name = %s").format(
         sql.Identifier(app.schema))
     deadline = time.monotonic() + 60
@@ -42,23 +49,15 @@ def stepwise(gate: str) -> str:
             if time.monotonic() > deadline:
                 raise TimeoutError("the gate never opened")
             time.sleep(0.02)
-    ctx.progress({"done": 2, "total": 2})
-    return "through"
 
 
 @app.task(name="held_until", transaction="claim", lease=30.0)
 def held_until(gate: str) -> str:
     """A claim-mode job (its row locked while it runs) that waits for its gate."""
-    statement = sql.SQL("SELECT 1 FROM {}.gates WHERE name = %s").format(
-        sql.Identifier(app.schema))
     started = sql.SQL("INSERT INTO {}.gates VALUES (%s)").format(sql.Identifier(app.schema))
-    deadline = time.monotonic() + 60
     with app.connect() as conn:
         conn.execute(started, (gate + ":started",))
-        while conn.execute(statement, (gate,)).fetchone() is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the gate never opened")
-            time.sleep(0.02)
+    _wait_for(gate)
     return "released"
 
 
@@ -76,12 +75,5 @@ def reports_then_waits(mark: bool, gate: str) -> str:
     """Report progress ("step 1", after a check mark if ``mark``), then wait (up to a
     minute) for the gate."""
     current_job().progress(("\u2713 " if mark else "") + "step 1")
-    statement = sql.SQL("SELECT 1 FROM {}.gates WHERE name = %s").format(
-        sql.Identifier(app.schema))
-    deadline = time.monotonic() + 60
-    with app.connect() as conn:
-        while conn.execute(statement, (gate,)).fetchone() is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the gate never opened")
-            time.sleep(0.02)
+    _wait_for(gate)
     return "waited"
