@@ -27,12 +27,14 @@ FAST = ["--lease", "2", "--heartbeat", "0.3", "--poll-interval", "0.5", "--reten
 
 @dataclass
 class Roles:
-    """The three roles' DSNs on a database of their own, and their names."""
+    """The three roles' DSNs on a database of their own, their names, and the DSN of the
+    test's superuser on that database."""
 
     owner: str
     worker: str
     enqueuer: str
     names: dict[str, str]
+    admin: str
 
 
 @pytest.fixture
@@ -47,7 +49,7 @@ def roles(server: Server) -> Iterator[Roles]:
                 sql.Identifier(conn.info.dbname), sql.Identifier(names["owner"])))
         try:
             yield Roles(*(make_conninfo(dsn, user=names[k])
-                          for k in ("owner", "worker", "enqueuer")), names=names)
+                          for k in ("owner", "worker", "enqueuer")), names=names, admin=dsn)
         finally:
             with server.connect() as conn:
                 conn.autocommit = True
@@ -123,6 +125,32 @@ def test_a_worker_and_an_enqueuer_run_without_owning_the_schema(
         assert "permission denied" not in log.read_text()
     finally:
         web.close()
+
+
+def test_an_owner_given_its_schema_by_a_dba_migrates_without_create_on_the_database(
+        roles: Roles) -> None:
+    # the other way docs/deployment.md gives: CREATE SCHEMA ... AUTHORIZATION owner, and no
+    # CREATE on the database (CREATE SCHEMA IF NOT EXISTS would need it even so)
+    with psycopg.connect(roles.admin,
+                         autocommit=True) as conn:
+        conn.execute(sql.SQL("REVOKE CREATE ON DATABASE {} FROM {}").format(
+            sql.Identifier(conn.info.dbname), sql.Identifier(roles.names["owner"])))
+        conn.execute(sql.SQL("CREATE SCHEMA {} AUTHORIZATION {}").format(
+            sql.Identifier(SCHEMA), sql.Identifier(roles.names["owner"])))
+    printed = cli(roles.owner, "migrate", "--sql")
+    assert printed.returncode == 0, printed.stderr
+    migrated(roles)
+    assert cli(roles.owner, "migrate", "--check").returncode == 0
+    # and the DBA's way: the printed SQL, run as the owner, on a fresh schema it was given
+    with psycopg.connect(roles.owner, autocommit=True) as conn:
+        conn.execute(b"DROP SCHEMA skipjack CASCADE")
+    with psycopg.connect(roles.admin,
+                         autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {} AUTHORIZATION {}").format(
+            sql.Identifier(SCHEMA), sql.Identifier(roles.names["owner"])))
+    with psycopg.connect(roles.owner, autocommit=True) as conn:
+        conn.execute(printed.stdout.encode())
+    assert cli(roles.owner, "migrate", "--check").returncode == 0
 
 
 def test_the_enqueuer_cannot_claim_change_or_delete_and_the_worker_cannot_alter(

@@ -57,6 +57,14 @@ def resolve_dsn(dsn: str | None = None) -> str:
             or embedded.dsn())
 
 
+def server_of(dsn: str | None) -> str:
+    """The database ``dsn`` names, for people (``safe_dsn``); for None, the one
+    ``resolve_dsn`` would use: $SKIPJACK_DATABASE_URL, $DATABASE_URL, else the embedded
+    server (named by its data directory, not started)."""
+    given = dsn or os.environ.get("SKIPJACK_DATABASE_URL") or os.environ.get("DATABASE_URL")
+    return safe_dsn(given) if given else f"the embedded server at {embedded.data_dir()}"
+
+
 def safe_dsn(dsn: str) -> str:
     """The DSN without its password, for logs (``<dsn>`` when it cannot be parsed)."""
     try:
@@ -190,13 +198,9 @@ class Database:
     def where(self) -> str:
         """Which database, for people: ``host=... port=... dbname=...`` (no password) and
         the schema, or the embedded server and its data directory."""
-        given = self._dsn or (None if self._resolve is not resolve_dsn else
-                              os.environ.get("SKIPJACK_DATABASE_URL")
-                              or os.environ.get("DATABASE_URL"))
-        if given is None and self._resolve is resolve_dsn:
-            return f"the embedded server at {embedded.data_dir()}, schema {self.schema}"
-        info = safe_dsn(given or self.dsn)
-        return f"{info}, schema {self.schema}"
+        if self._dsn is None and self._resolve is not resolve_dsn:
+            return f"{safe_dsn(self.dsn)}, schema {self.schema}"
+        return f"{server_of(self._dsn)}, schema {self.schema}"
 
     def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
         """A new sync connection (autocommit unless ``kwargs`` say otherwise).

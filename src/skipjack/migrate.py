@@ -40,6 +40,7 @@ from .db import (
 )
 from .errors import MigrationError, MigrationLockError, SchemaVersionError, ValidationError
 from .sql import Queries, render
+from .sql.schema import CREATE_SCHEMA
 
 log = logging.getLogger("skipjack.migrate")
 
@@ -173,6 +174,7 @@ def _migrate_once(conn: psycopg.Connection[Any], schema: str, q: Queries,
             conn.execute(q.MIGRATION_LOCK, {"key": _lock_key(schema)})
             conn.execute(q.SET_LOCK_TIMEOUT, timeout)
             step = "creating the schema and its migrations table"
+            conn.execute(_create_schema(schema))
             conn.execute(q.CREATE_MIGRATIONS_TABLE)
             step = "reading the applied migrations"
             applied = {row[0] for row in conn.execute(q.APPLIED_MIGRATIONS).fetchall()}
@@ -201,6 +203,11 @@ def _applied(conn: psycopg.Connection[Any], q: Queries, schema: str) -> set[int]
     if not (row and row[0]):
         return None
     return {r[0] for r in conn.execute(q.APPLIED_MIGRATIONS).fetchall()}
+
+
+def _create_schema(schema: str) -> sql.Composed:
+    """The statement creating ``schema`` unless it exists (see ``sql.schema.CREATE_SCHEMA``)."""
+    return render(CREATE_SCHEMA, schema, name=schema)
 
 
 def _rendered(m: Migration, schema: str) -> sql.Composed:
@@ -232,6 +239,7 @@ def pending_sql(conn: psycopg.Connection[Any], schema: str, todo: list[Migration
     bind = psycopg.ClientCursor(conn).mogrify  # the statements with their values, as text
     parts = [f"-- skipjack migrations {[m.version for m in todo]} for schema {schema!r}",
              "BEGIN;", bind(q.MIGRATION_LOCK, {"key": _lock_key(schema)}) + ";",
+             _create_schema(schema).as_string(conn).strip() + ";",
              q.CREATE_MIGRATIONS_TABLE.decode().strip() + ";"]
     for m in todo:
         parts.append(f"-- {m.version:04d}_{m.name}")

@@ -46,8 +46,18 @@ SELECT l.pid, a.application_name, a.state, a.xact_start, a.query_start,
  LIMIT %(limit)s
 """
 
+# The schema, unless it exists: CREATE SCHEMA IF NOT EXISTS checks the CREATE privilege on
+# the database even when the schema exists, which an owner given its schema by a DBA
+# (CREATE SCHEMA ... AUTHORIZATION) lacks. {name} is the schema's name as a literal.
+CREATE_SCHEMA = """
+DO $create$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = {name}) THEN
+        CREATE SCHEMA {schema};
+    END IF;
+END $create$
+"""
+
 CREATE_MIGRATIONS_TABLE = """
-CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE TABLE IF NOT EXISTS {schema}.migrations (
     version    integer PRIMARY KEY,
     name       text NOT NULL,

@@ -16,6 +16,7 @@ import click
 from rich.console import Console
 
 from skipjack.cli import DURATION
+from skipjack.db import server_of
 
 
 def _finite(value: float) -> float:
@@ -95,6 +96,8 @@ def chaos(ctx: click.Context, n_jobs: int, workers: int, concurrency: int, durat
         restart_db_every=restart_db_every, terminate_backends_every=terminate_backends_every,
         restart_cmd=restart_cmd, lease=lease, seed=seed, timeout=timeout,
         schema=(ctx.obj["schema"] or "skipjack") + "_chaos")
+    logging.getLogger("skipjack.cli").info("database: %s, schema %s", server_of(ctx.obj["dsn"]),
+                                           opts.schema)
     try:
         audit = run_chaos(ctx.obj["dsn"], opts, echo=None if as_json else click.echo)
     except ValueError as exc:

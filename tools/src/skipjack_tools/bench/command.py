@@ -11,7 +11,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from skipjack.db import resolve_dsn
+from skipjack.db import resolve_dsn, server_of
 
 from .common import Settings
 from .plot import write_plot
@@ -70,6 +70,8 @@ def bench(ctx: click.Context, as_json: bool, output: str | None, plot_path: str,
     settings = Settings(dsn=resolve_dsn(obj.get("dsn")), scale=scale, runs=runs, quick=quick,
                         metrics=metrics, soak_rate=soak_rate,
                         log=lambda line: console.print(f"[dim]{escape(line)}[/]"))
+    settings.log(f"database: {server_of(obj.get('dsn'))} (each scenario in a schema or database "
+                 "of its own)")
     results = run_bench(settings, scenarios, peers)
     if not no_plot:
         skipped = write_plot(results, plot_path)
