@@ -4,11 +4,13 @@ SIGTERM stops them all gracefully."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -30,12 +32,13 @@ def test_processes_run_restart_share_one_metrics_endpoint_and_stop(app: App,
                                                                     tmp_path: Path) -> None:
     create_log_tables(app.dsn, app.schema)
     app.task(name="sleep")(lambda **kw: None)
-    port = free_port()
+    port, health = free_port(), free_port()
     log = open(tmp_path / "supervisor.log", "wb")
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "worker",
          "jobs_app:app", "--processes", "2", "--metrics-port", str(port), "--metrics-host",
-         "127.0.0.1", "--lease", "2s", "--heartbeat", "300ms", "--poll-interval", "500ms"],
+         "127.0.0.1", "--health-port", str(health), "--health-host", "127.0.0.1",
+         "--lease", "2s", "--heartbeat", "300ms", "--poll-interval", "500ms"],
         cwd=TESTS, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "SKIPJACK_SCHEMA": app.schema,
              "SKIPJACK_DATABASE_URL": app.dsn})
@@ -46,6 +49,15 @@ def test_processes_run_restart_share_one_metrics_endpoint_and_stop(app: App,
 
         wait_until(lambda: len(children()) == 2 and len(app.workers()) == 2, timeout=60,
                    what="two worker processes registered")
+        # one health endpoint for both: ready once each process is
+        def ready() -> dict[str, Any]:
+            status, body = http_get(f"http://127.0.0.1:{health}/readyz")
+            return json.loads(body) if status == 200 else {}
+
+        answer = wait_until(ready, timeout=60, what="both processes ready on one endpoint")
+        assert answer["ok"] and set(answer["processes"]) == {"0", "1"}
+        assert all(p["status"] == 200 for p in answer["processes"].values())
+        assert http_get(f"http://127.0.0.1:{health}/livez")[0] == 200
         ids = app.enqueue_many([app.tasks["sleep"].job(seconds=0.01) for _ in range(40)])
         wait_until(lambda: states(app.dsn, app.schema) == {"succeeded": len(ids)}, timeout=60)
 

@@ -401,10 +401,12 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
     if count > 1 and not os.environ.get("SKIPJACK_WORKER_PROCESS"):
         from .supervisor import Supervisor, child_argv, command_line
 
-        argv = child_argv(sys.argv[1:], ["--processes", "--metrics-port", "--metrics-host"])
+        argv = child_argv(sys.argv[1:], ["--processes", "--metrics-port", "--metrics-host",
+                                         "--health-port", "--health-host"])
         metrics = (metrics_host, metrics_port) if metrics_port is not None else None
-        sys.exit(Supervisor([*command_line(), *argv], count, grace=grace,
-                            metrics=metrics).run())
+        health = (health_host, health_port) if health_port is not None else None
+        sys.exit(Supervisor([*command_line(), *argv], count, grace=grace, metrics=metrics,
+                            health=health).run())
     if log_levels or log_format or verbose:  # the worker's own logging options
         levels, fmt, loud, quiet = ctx.obj["logging"]
         _configure_logging((*levels, *log_levels), log_format or fmt, loud or verbose,

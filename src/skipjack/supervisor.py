@@ -11,12 +11,16 @@ exits 0; a second signal is forwarded too (a worker then exits at once).
 
 With ``--metrics-port``, each worker serves its metrics on a port of its own on 127.0.0.1,
 and the supervisor serves, on the port asked for, all of them merged, each series labelled
-with ``process`` (0..N-1).
+with ``process`` (0..N-1). With ``--health-port``, likewise for ``/livez`` and ``/readyz``
+(``skipjack.runtime.health``): the supervisor answers 200 when every worker process
+answers 200, else 503, with each process's answer in a JSON body. A process being started
+again after it died counts as live (the supervisor is restarting it) but not ready.
 """
 
 from __future__ import annotations
 
 import http.server
+import json
 import logging
 import os
 import signal
@@ -24,10 +28,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import ConfigError
 
 log = logging.getLogger("skipjack.supervisor")
 
@@ -72,6 +79,7 @@ class Child:
     restart_at: float = 0.0
     delay: float = RESTART_BASE
     metrics_port: int | None = None
+    health_port: int | None = None
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -84,24 +92,31 @@ class Supervisor:
         count: worker processes, 1..1,024.
         grace: the workers' shutdown grace, in seconds (how long a stop may take).
         metrics: (host, port) of the merged metrics endpoint, or None.
+        health: (host, port) of the merged ``/livez`` and ``/readyz``, or None.
     """
 
     def __init__(self, argv: list[str], count: int, *, grace: float,
-                 metrics: tuple[str, int] | None = None) -> None:
+                 metrics: tuple[str, int] | None = None,
+                 health: tuple[str, int] | None = None) -> None:
         self.argv = argv
         self.grace = grace
         self.children = [Child(i) for i in range(count)]
         self.stopping = threading.Event()
         self._signals = 0
         self._metrics = metrics
-        self._server: http.server.ThreadingHTTPServer | None = None
-        if metrics is not None:
-            for child in self.children:
+        self._health = health
+        self._servers: list[http.server.ThreadingHTTPServer] = []
+        for child in self.children:
+            if metrics is not None:
                 child.metrics_port = _free_port()
-                child.env = {"SKIPJACK_WORKER_METRICS_PORT": str(child.metrics_port),
-                             "SKIPJACK_METRICS_PORT": str(child.metrics_port),
-                             "SKIPJACK_WORKER_METRICS_HOST": "127.0.0.1",
-                             "SKIPJACK_METRICS_HOST": "127.0.0.1"}
+                child.env.update({"SKIPJACK_WORKER_METRICS_PORT": str(child.metrics_port),
+                                  "SKIPJACK_METRICS_PORT": str(child.metrics_port),
+                                  "SKIPJACK_WORKER_METRICS_HOST": "127.0.0.1",
+                                  "SKIPJACK_METRICS_HOST": "127.0.0.1"})
+            if health is not None:
+                child.health_port = _free_port()
+                child.env.update({"SKIPJACK_HEALTH_PORT": str(child.health_port),
+                                  "SKIPJACK_HEALTH_HOST": "127.0.0.1"})
 
     def _start(self, child: Child) -> None:
         env = {**os.environ, **child.env, "SKIPJACK_WORKER_PROCESS": str(child.index)}
@@ -123,7 +138,11 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._signal)
         if self._metrics is not None:
-            self._serve_metrics(*self._metrics)
+            self._serve(*self._metrics, {"/metrics": self._metrics_page}, "metrics")
+        if self._health is not None:
+            self._serve(*self._health, {"/livez": lambda: self._health_page("/livez"),
+                                        "/readyz": lambda: self._health_page("/readyz")},
+                        "health")
         for child in self.children:
             self._start(child)
         while not self.stopping.is_set():
@@ -152,9 +171,9 @@ class Supervisor:
         return 0
 
     def _wait_for_all(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server = None
+        for server in self._servers:
+            server.shutdown()
+        self._servers = []
         deadline = time.monotonic() + self.grace + STOP_MARGIN
         for child in self.children:
             if child.proc is None:
@@ -167,19 +186,24 @@ class Supervisor:
                 child.proc.wait(30)
         log.info("every worker process stopped")
 
-    # --- metrics ---------------------------------------------------------------------
+    # --- metrics and health ---------------------------------------------------------
 
-    def _serve_metrics(self, host: str, port: int) -> None:
-        supervisor = self
+    def _serve(self, host: str, port: int,
+               pages: dict[str, Callable[[], tuple[int, str, bytes]]], what: str) -> None:
+        """Serve ``pages`` (path -> (status, content type, body)) on ``host:port``.
 
+        Raises:
+            ConfigError: the address cannot be listened on.
+        """
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                if self.path.split("?")[0] != "/metrics":
+                page = pages.get(self.path.split("?")[0])
+                if page is None:
                     self.send_error(404)
                     return
-                body = supervisor.metrics_text().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                status, content_type, body = page()
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -187,9 +211,31 @@ class Supervisor:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self._server = http.server.ThreadingHTTPServer((host, port), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True,
-                         name="skipjack-supervisor-metrics").start()
+        try:
+            server = http.server.ThreadingHTTPServer((host, port), Handler)
+        except OSError:
+            raise ConfigError(f"cannot listen on {host}:{port} for {what}: the port is in use, "
+                              "or the address is not this host's") from None
+        self._servers.append(server)
+        threading.Thread(target=server.serve_forever, daemon=True,
+                         name=f"skipjack-supervisor-{what}").start()
+
+    def _metrics_page(self) -> tuple[int, str, bytes]:
+        return (200, "text/plain; version=0.0.4; charset=utf-8",
+                self.metrics_text().encode())
+
+    def _health_page(self, path: str) -> tuple[int, str, bytes]:
+        """``path`` (/livez or /readyz) of every worker process: 200 if all answer 200."""
+        answers: dict[str, Any] = {}
+        ok = True
+        for child in self.children:
+            status, body = _get(f"http://127.0.0.1:{child.health_port}{path}")
+            if status == 0 and child.proc is None and path == "/livez":
+                status, body = 200, {"restarting": True}  # the supervisor's own doing
+            answers[str(child.index)] = {"status": status, **body}
+            ok = ok and status == 200
+        return (200 if ok else 503, "application/json",
+                json.dumps({"ok": ok, "processes": answers}).encode())
 
     def metrics_text(self) -> str:
         """Every worker's metrics, merged, each series labelled ``process``; a worker that
@@ -205,6 +251,26 @@ class Supervisor:
             except OSError:
                 continue
         return merge_metrics(texts)
+
+
+def _get(url: str) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a worker's health page; (0, the reason) when it does not
+    answer within 5 s."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, _json_object(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, _json_object(exc.read())
+    except OSError as exc:
+        return 0, {"error": str(exc)}
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def merge_metrics(texts: dict[int, str]) -> str:
