@@ -95,8 +95,10 @@ async def cpu_async(seconds: float) -> None:
 
 
 @app.task(name="fail", max_attempts=3, backoff=Backoff(base=0.01, cap=0.05))
-def fail(message: str = "boom") -> None:
+def fail(message: str = "boom", timeout: bool = False) -> None:
     log_event("start")
+    if timeout:  # as a socket timeout would
+        raise TimeoutError(message)
     raise RuntimeError(message)
 
 

@@ -87,18 +87,24 @@ def test_eight_processes_drain_2000_jobs_exactly_once(tasks: App, tmp_path: Path
 def test_failing_job_retries_then_dead_letter_and_worker_goes_on(tasks: App,
                                                                  tmp_path: Path) -> None:
     bad = tasks.enqueue(tasks.tasks["fail"].configure(max_attempts=3).job(message="bad news"))
+    slow = tasks.enqueue(tasks.tasks["fail"].configure(max_attempts=1).job(message="slow",
+                                                                           timeout=True))
     unknown = tasks.enqueue(tasks.tasks["sleep"].configure(max_attempts=2).job())
     query(tasks.dsn, "UPDATE {schema}.jobs SET task = 'no.such.task' WHERE id = %s", [unknown],
           schema=tasks.schema)
     good = enqueue(tasks, "sleep", 10)
     with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--unknown-task-grace",
                        "1s", log=tmp_path / "w.log"):
-        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 10, "discarded": 2},
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 10, "discarded": 3},
                    timeout=60, what="all jobs finished")
     job = tasks.get_job(bad)
     assert job is not None and job["attempt"] == 3 and len(job["errors"]) == 3
     assert "RuntimeError: bad news" in job["errors"][-1]["error"]
     assert "Traceback" in job["errors"][-1]["traceback"]
+    # the handler's own frames, also for a TimeoutError (which asyncio used to replace)
+    for failed in (job, tasks.get_job(slow) or {}):
+        assert 'jobs_app.py", line' in failed["errors"][-1]["traceback"]
+    assert "TimeoutError: slow" in (tasks.get_job(slow) or {})["errors"][-1]["error"]
     lost = tasks.get_job(unknown)
     assert lost is not None and "unknown task 'no.such.task'" in lost["errors"][-1]["error"]
     assert set(exec_counts(tasks.dsn, tasks.schema, "finish")) == set(good)

@@ -52,6 +52,16 @@ log = logging.getLogger("skipjack.worker")
 UNKNOWN_WARN_EVERY = 60.0  # seconds between warnings about one unknown task
 
 
+def _boxed(fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """``fn()`` as (True, its value) or (False, the exception it raised), so that the
+    exception reaches the event loop as it was: asyncio.wrap_future replaces a
+    ``TimeoutError`` with a new one, without the handler's traceback or cause."""
+    try:
+        return True, fn()
+    except BaseException as exc:
+        return False, exc
+
+
 class Executor:
     """Starts buffered jobs in free slots and runs them.
 
@@ -360,9 +370,9 @@ class Executor:
         shutdown) while the thread still runs, that thread holds its slot as a stuck thread
         until it returns, so the worker never claims jobs that would only wait for a
         thread."""
-        future = self._threads.submit(contextvars.copy_context().run, fn)
+        future = self._threads.submit(contextvars.copy_context().run, _boxed, fn)
         try:
-            return await asyncio.wrap_future(future)
+            ok, value = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             if not future.done():
                 self._slots.stuck_threads += 1
@@ -376,6 +386,9 @@ class Executor:
 
                 future.add_done_callback(freed)
             raise
+        if not ok:
+            raise value  # the handler's own exception, with its traceback
+        return value
 
     def _thread_freed(self) -> None:
         self._slots.stuck_threads -= 1
