@@ -521,7 +521,7 @@ def test_port_in_use(server: Server, schema: str, dashboard: Dashboard) -> None:
     cmd = [sys.executable, "-m", "skipjack", "--dsn", server.dsn, "--schema", schema,
            "dashboard", "--port", str(dashboard.port)]
     done = subprocess.run(cmd, cwd=TESTS, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and "cannot listen" in done.stderr
+    assert done.returncode == 2 and "error: cannot listen" in done.stderr
 
 
 def test_mounted_under_a_path(dash_app: App) -> None:

@@ -20,7 +20,7 @@ from rich.table import Table
 from . import actions, durations, embedded
 from .app import App
 from .db import connection_lost
-from .errors import SkipjackError
+from .errors import ConfigError, SkipjackError
 from .jobs import DEFAULT_RETENTION, STATES
 from .logs import LogFormat, configure, parse_levels
 from .migrate import LOCK_ATTEMPTS, LOCK_ATTEMPTS_MAX, LOCK_TIMEOUT
@@ -241,8 +241,8 @@ def _configure_logging(log_levels: tuple[str, ...], log_format: LogFormat, verbo
     configure(logging.INFO if root is None else root, fmt, loggers)
 
 
-def _serving(what: str, host: str, port: int) -> click.ClickException:
-    return click.ClickException(f"cannot listen on {host}:{port} for {what}: the port is in "
+def _serving(what: str, host: str, port: int) -> ConfigError:
+    return ConfigError(f"cannot listen on {host}:{port} for {what}: the port is in "
                                 "use, or the address is not this host's")
 
 
@@ -468,8 +468,8 @@ def _metrics_module() -> Any:
     except ModuleNotFoundError as exc:
         if exc.name != "prometheus_client":
             raise
-        raise click.ClickException("metrics need prometheus_client: pip install "
-                                   "'skipjack[prometheus]'") from None
+        raise ConfigError("metrics need prometheus_client: pip install "
+                          "'skipjack[prometheus]'") from None
     return metrics
 
 
@@ -528,8 +528,8 @@ def dashboard(ctx: click.Context, app_path: str | None, host: str, port: int,
         if exc.name not in ("starlette", "jinja2", "uvicorn", "multipart",
                             "python_multipart"):
             raise
-        raise click.ClickException("the dashboard needs its extra: pip install "
-                                   "'skipjack[dashboard]'") from None
+        raise ConfigError("the dashboard needs its extra: pip install "
+                          "'skipjack[dashboard]'") from None
     app = _app(ctx, app_path)
     credentials = web.Credentials.from_env()
     if credentials is None and not web.is_loopback(host):

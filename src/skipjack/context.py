@@ -141,9 +141,15 @@ def current_job() -> JobContext:
     """The job the calling handler is running (works in sync handlers' threads too).
 
     Raises:
-        LookupError: called outside a handler run by a skipjack worker.
+        LookupError: called outside a handler run by a skipjack worker (the task's function
+            called directly, say).
     """
-    return _current.get()
+    try:
+        return _current.get()
+    except LookupError:
+        raise LookupError("current_job() was called outside a job: only a handler run by a "
+                          "skipjack worker (or skipjack.testing's drain or inline) has "
+                          "one") from None
 
 
 def set_current(ctx: JobContext) -> None:
