@@ -167,6 +167,10 @@ def test_the_enqueuer_cannot_claim_change_or_delete_and_the_worker_cannot_alter(
                 "INSERT INTO {schema}.queues (name) VALUES ('q')",
                 "DELETE FROM {schema}.workers"):
             assert refused(roles.enqueuer, statement), statement
+        # a worker started as it is refused at once, naming what it lacks
+        refused_worker = cli(roles.enqueuer, "worker", "results_app:app")
+        assert refused_worker.returncode == 2 and "cannot run a worker" in \
+            refused_worker.stderr and "UPDATE on jobs" in refused_worker.stderr
         # nor can it cancel one by hand
         out = cli(roles.enqueuer, "jobs", "cancel", str(job))
         assert out.returncode == 2 and "permission denied" in out.stderr, out.stderr

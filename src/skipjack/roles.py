@@ -125,3 +125,17 @@ def grants_sql(conn: psycopg.Connection[Any], done: list[sql.Composed]) -> str:
     run."""
     body = [s.as_string(conn) + ";" for s in done]
     return "\n".join(["BEGIN;", *body, "COMMIT;"]) + "\n"
+
+
+def check_worker(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Refuse to run a worker as a role that lacks a worker's privileges on ``schema``.
+
+    Raises:
+        ConfigError: naming the role, what it lacks, and how to grant it.
+    """
+    lacks = conn.execute(statements.WORKER_LACKS, {"schema": schema}).fetchall()
+    if lacks:
+        missing = ", ".join(f"{privilege} on {table}" for table, privilege in lacks)
+        raise ConfigError(f"role {_current(conn)!r} cannot run a worker on schema {schema!r}: "
+                          f"it lacks {missing}; give it a worker role's privileges "
+                          "(`skipjack roles --worker ROLE`, run by the schema's owner)")

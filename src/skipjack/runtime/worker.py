@@ -36,7 +36,9 @@ from ..app import App
 from ..db import safe_dsn
 from ..errors import ConfigError
 from ..jobs import DEFAULT_RETENTION, LEASE_MAX, LEASE_MIN, QUEUE_MAX_BYTES, check_name
+from ..migrate import check_schema
 from ..outcome import UNKNOWN_TASK_GRACE, Outcome
+from ..roles import check_worker
 from ..sql.claim import claim_params
 from . import eventloop
 from .claim_mode import ClaimModeRunners
@@ -318,13 +320,14 @@ class Worker:
 
         Raises:
             SchemaVersionError: the schema is missing or of another version.
-            ConfigError: a task's lease is too short for the heartbeat.
+            ConfigError: a task's lease is too short for the heartbeat, or the database
+                role lacks a worker's privileges on the schema.
             Exception: a worker component failed on a bug (after a graceful shutdown), so a
                 supervisor sees a non-zero exit instead of a worker that silently idles.
         """
         self._check_task_leases()
         self._claim_mode.prepare()
-        await asyncio.to_thread(self.app.check_schema)
+        await asyncio.to_thread(self._check_database)
         await probe(self.app.db)
         self._loop = asyncio.get_running_loop()
         await self._executor.open()
@@ -471,6 +474,12 @@ class Worker:
         except TimeoutError:
             log.error("could not record %d outcomes before exit; their leases will expire "
                       "and the rescuer will return the jobs", len(self._completer))
+
+    def _check_database(self) -> None:
+        """The schema's version, then the role's privileges (see ``run_async``)."""
+        with self.app.connect() as conn:
+            check_schema(conn, self.app.schema)
+            check_worker(conn, self.app.schema)
 
     def _claim_params(self, queue: str, limit: int, claim_mode: bool) -> dict[str, Any]:
         return claim_params(queue, limit, lease=self.lease, worker=self.name,

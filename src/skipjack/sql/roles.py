@@ -52,3 +52,13 @@ ENQUEUER = [
     "GRANT UPDATE (awaited) ON {schema}.jobs TO {enqueuer}",
     "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} TO {enqueuer}",
 ]
+
+# What a worker needs and its role lacks (table, privilege), read by a worker as it starts so
+# that a role without them (an enqueuer's) is refused at once, rather than retrying claims.
+WORKER_LACKS = """
+SELECT t.name, t.privilege
+  FROM (VALUES ('jobs', 'SELECT'), ('jobs', 'UPDATE'), ('jobs', 'INSERT'), ('jobs', 'DELETE'),
+               ('queues', 'SELECT'), ('workers', 'INSERT'), ('workers', 'DELETE'),
+               ('cron_slots', 'INSERT'), ('throughput', 'INSERT')) AS t(name, privilege)
+ WHERE NOT has_table_privilege(format('%%I.%%I', %(schema)s::text, t.name), t.privilege)
+"""
