@@ -77,3 +77,8 @@ def reports_then_waits(mark: bool, gate: str) -> str:
     current_job().progress(("\u2713 " if mark else "") + "step 1")
     _wait_for(gate)
     return "waited"
+
+
+@app.task(name="echo")
+def echo(value: object) -> object:
+    return value

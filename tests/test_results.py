@@ -176,6 +176,8 @@ def test_progress_the_database_cannot_store_is_dropped_and_leases_are_renewed(
             task.enqueue(mark="\u2713", gate="g")  # refused before anything is written
         bad = task.enqueue(mark=True, gate="g")
         good = task.enqueue(mark=False, gate="g")
+        # a character LATIN1 has goes there and back
+        echoed = app.task(name="echo")(lambda **kw: None).enqueue(value="caf\u00e9")
         with WorkerProcess(dsn, "skipjack", ["default"], *FAST, app="results_app:app",
                            log=tmp_path / "worker.log") as w:
             wait_until(lambda: good.progress() == "step 1", what="the other job's report")
@@ -188,13 +190,14 @@ def test_progress_the_database_cannot_store_is_dropped_and_leases_are_renewed(
                        what="a renewal after the dropped report")
             query(dsn, "INSERT INTO skipjack.gates VALUES ('g')")
             assert good.result(timeout=60) == "waited"
+            assert echoed.result(timeout=60) == "caf\u00e9"
             # its outcome carries the report too: written without it (and without its
             # result), with a note of the refusal, rather than never
             wait_until(lambda: bad.state() == "succeeded", what="the other job's outcome")
         rows = query(dsn, "SELECT attempt, progress, errors FROM skipjack.jobs WHERE id = %s",
                      (bad.id,))
         assert rows[0][:2] == (1, None) and "refused" in rows[0][2][-1]["error"]
-        assert query(dsn, "SELECT attempt FROM skipjack.jobs ORDER BY id") == [(1,), (1,)]
+        assert query(dsn, "SELECT attempt FROM skipjack.jobs ORDER BY id") == [(1,)] * 3
     finally:
         app.close()
         with server.connect() as conn:
@@ -252,6 +255,7 @@ def test_the_due_time_notification_says_when_whatever_the_transaction_s_length(
     with tasks.connect() as listener, tasks.connect(autocommit=False) as caller:
         listener.execute(sql.SQL("LISTEN {}").format(
             sql.Identifier(due_channel_name(tasks.schema))))
+        caller.execute("SET extra_float_digits = -12")  # no effect on the payload
         handle = tasks.tasks["add"].configure(delay=0.3).enqueue_on(caller, a=1, b=1)
         due = query(tasks.dsn, "SELECT now()")[0][0]  # a clock reading after the insert
         wait_until(lambda: query(tasks.dsn, "SELECT now() > %s::timestamptz + "

@@ -205,6 +205,15 @@ def test_roles_refuses_what_would_not_be_least_privilege(roles: Roles) -> None:
                        ([], "give --worker ROLE")):
         out = cli(roles.owner, "roles", *args)
         assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
+    creator = "sj_creator_" + secrets.token_hex(3)  # could grant itself the owner
+    with psycopg.connect(roles.admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} CREATEROLE").format(sql.Identifier(creator)))
+    try:
+        out = cli(roles.owner, "roles", "--enqueuer", creator)
+        assert out.returncode == 2 and "CREATEROLE" in out.stderr, out.stderr
+    finally:
+        with psycopg.connect(roles.admin, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(creator)))
     printed = cli(roles.owner, "roles", "--worker", roles.names["worker"], "--sql")
     assert printed.returncode == 0, printed.stderr
     assert printed.stdout.startswith("BEGIN;") and printed.stdout.endswith("COMMIT;\n")

@@ -596,7 +596,7 @@ class App(Admin):
             except psycopg.errors.UndefinedTable as exc:
                 enqueuing.note_not_migrated(exc, self.schema)
                 raise
-            except UnicodeEncodeError as exc:
+            except (UnicodeEncodeError, psycopg.errors.UntranslatableCharacter) as exc:
                 raise enqueuing.not_encodable(exc) from None
             if call is not None:
                 call.ids, call.inserted = ids, plan.inserted
@@ -629,7 +629,7 @@ class App(Admin):
             except psycopg.errors.UndefinedTable as exc:
                 enqueuing.note_not_migrated(exc, self.schema)
                 raise
-            except UnicodeEncodeError as exc:
+            except (UnicodeEncodeError, psycopg.errors.UntranslatableCharacter) as exc:
                 raise enqueuing.not_encodable(exc) from None
             if call is not None:
                 call.ids, call.inserted = ids, plan.inserted

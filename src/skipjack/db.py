@@ -33,6 +33,10 @@ CONNECT_KWARGS: dict[str, Any] = {
     "keepalives_interval": 5,
     "keepalives_count": 3,
     "application_name": os.environ.get("SKIPJACK_APPLICATION_NAME", "skipjack"),
+    # text and JSON in UTF-8 whatever the database's encoding: psycopg reads JSON as UTF-8
+    # (a LATIN1 database's "é" could not be read back), and statements are sent as UTF-8;
+    # the server converts, and refuses a character its encoding lacks
+    "client_encoding": "UTF8",
 }
 # Those of CONNECT_KWARGS that a DSN may set itself: its own value is then kept (a shorter
 # tcp_user_timeout, say, to notice a network partition sooner).
@@ -87,8 +91,8 @@ def settings_channel_name(schema: str) -> str:
 
 
 def due_channel_name(schema: str) -> str:
-    """The channel on which an enqueue of delayed jobs says in how many seconds the soonest
-    is due (migration 6; at most 29 bytes)."""
+    """The channel on which an enqueue of delayed jobs says when the soonest is due: its
+    run_at in seconds since 1970-01-01 UTC (migration 7; at most 29 bytes)."""
     return channel_name(schema) + "_due"
 
 

@@ -179,13 +179,17 @@ class Plan:
         return _assign_ids(self.specs, rows, existing)
 
 
-def not_encodable(exc: UnicodeEncodeError) -> ValidationError:
-    """The error for a job value the connection's encoding (the database's, when it is not
-    UTF8) cannot represent, raised by psycopg before the statement is sent."""
-    bad = exc.object[exc.start:exc.end]
-    return ValidationError("job", f"a value holds {bad!r}, which the database's encoding "
-                                  f"({exc.encoding}) cannot store: use a UTF8 database, or "
-                                  "leave such characters out")
+def not_encodable(exc: UnicodeEncodeError | psycopg.Error) -> ValidationError:
+    """The error for a job value the database's encoding (one not UTF8) cannot store: the
+    server's refusal of the statement, or the client's on a caller's connection in that
+    encoding (the statement was then not sent)."""
+    if isinstance(exc, UnicodeEncodeError):
+        what = f"holds {exc.object[exc.start:exc.end]!r}, which the database's encoding " \
+               f"({exc.encoding}) cannot store"
+    else:
+        what = f"cannot be stored: {(exc.diag.message_primary or str(exc)).strip()}"
+    return ValidationError("job", f"a value {what}: use a UTF8 database, or leave such "
+                                  "characters out")
 
 
 def needs_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],

@@ -56,16 +56,16 @@ def _current(conn: psycopg.Connection[Any]) -> str:
 
 
 def _check_role(conn: psycopg.Connection[Any], option: str, role: str, owner: str) -> None:
-    """Raises ConfigError: ``role`` does not exist, or is the owner, a member of it or a
-    superuser (it could alter the schema whatever it is granted)."""
+    """Raises ConfigError: ``role`` does not exist, or is the owner, a member of it, a
+    superuser or a CREATEROLE role (it could alter the schema whatever it is granted)."""
     row = conn.execute(statements.ROLE, {"role": role, "owner": owner}).fetchone()
     if row is None:
         raise ConfigError(f"{option}: role {role!r} does not exist (create it first, e.g. "
                           f"CREATE ROLE {sql.Identifier(role).as_string(conn)} LOGIN)")
     if row[0]:
         raise ConfigError(f"{option}: role {role!r} is the schema's owner {owner!r}, a member "
-                          "of it or a superuser: it could alter the schema; give it a role of "
-                          "its own")
+                          "of it, a superuser or may create roles (CREATEROLE): it could alter "
+                          "the schema; give it a role of its own")
 
 
 def grants(conn: psycopg.Connection[Any], schema: str, *, worker: str | None = None,
@@ -83,8 +83,8 @@ def grants(conn: psycopg.Connection[Any], schema: str, *, worker: str | None = N
     Raises:
         SchemaVersionError: the schema is missing or has migrations pending.
         ConfigError: neither role given, or both the same; the current role may not grant on
-            the schema; or a role does not exist, is the owner, a member of it or a
-            superuser.
+            the schema; or a role does not exist, is the owner, a member of it, a superuser
+            or a CREATEROLE role.
     """
     if worker is None and enqueuer is None:
         raise ConfigError("give a worker role, an enqueuer role, or both")

@@ -8,7 +8,7 @@
 CREATE OR REPLACE FUNCTION {schema}.notify_jobs() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     queues text[];
-    soonest double precision;
+    soonest numeric;  -- extract's own type: exact to the microsecond
 BEGIN
     SELECT array_agg(DISTINCT queue) FILTER (WHERE state = 'available'),
            extract(epoch FROM min(run_at) FILTER (WHERE state = 'scheduled'))
@@ -16,6 +16,7 @@ BEGIN
     IF (queues IS NOT NULL OR soonest IS NOT NULL) AND {schema}.may_notify() THEN
         PERFORM pg_notify(TG_ARGV[0], q) FROM unnest(queues) AS q;
         IF soonest IS NOT NULL THEN
+            -- numeric's text (float8's would depend on the session's extra_float_digits)
             PERFORM pg_notify({due_channel}, soonest::text);
         END IF;
     END IF;

@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg._encodings import pg2pyenc
 
 from ..db import Database, ReconnectDelay, close_quietly, connection_lost
 from ..jobs import scrub_text
@@ -171,7 +172,7 @@ class Completer:
                 continue
             form = o if refused < TRIES_AS_IS else _safe(o, refusal,
                                                          discard=refused > TRIES_AS_IS,
-                                                         encoding=conn.info.encoding)
+                                                         encoding=_server_encoding(conn))
             try:
                 cur = await conn.execute(q.RECORD_OUTCOMES, outcome_params([form]))
                 applied.update({r[0]: (r[1], r[2]) for r in await cur.fetchall()})
@@ -199,6 +200,16 @@ SAFE_DELAY_MAX = 3600.0
 # skipjack stores it in a form the database should take (see Completer._one_by_one).
 TRIES_AS_IS = 3
 RETRY_REFUSED = 0.1
+
+
+def _server_encoding(conn: psycopg.AsyncConnection[Any]) -> str:
+    """Python's name of the database's encoding (the connection's own is UTF-8), "utf-8"
+    when it is not known."""
+    name = conn.info.parameter_status("server_encoding")
+    try:
+        return pg2pyenc(name.encode()) if name else "utf-8"
+    except (psycopg.NotSupportedError, LookupError):
+        return "utf-8"
 
 
 def _safe(o: Outcome, refusal: str, *, discard: bool, encoding: str = "utf-8") -> Outcome:

@@ -139,11 +139,12 @@ WITH asked AS (
     SELECT j.id, j.idempotency_key FROM {schema}.jobs AS j JOIN asked ON asked.id = j.id
      WHERE j.state = 'discarded'
 ), chosen AS (
-    -- of discarded jobs asked for that share a key, only the newest can be retried
-    SELECT c.id FROM candidates AS c
-     WHERE c.idempotency_key IS NULL OR NOT EXISTS (
-           SELECT 1 FROM candidates AS d
-            WHERE d.idempotency_key = c.idempotency_key AND d.id > c.id)
+    -- of discarded jobs asked for that share a key, only the newest can be retried (one
+    -- sort, not a correlated scan: the planner may think candidates holds a single row)
+    SELECT DISTINCT ON (c.idempotency_key, CASE WHEN c.idempotency_key IS NULL THEN c.id END)
+           c.id
+      FROM candidates AS c
+     ORDER BY c.idempotency_key, CASE WHEN c.idempotency_key IS NULL THEN c.id END, c.id DESC
 ), retried AS (
     UPDATE {schema}.jobs AS j
        SET state = 'available', attempt = 0, run_at = now(), finished_at = NULL,

@@ -18,10 +18,11 @@ SELECT t.tableowner,
  WHERE t.schemaname = %(schema)s AND t.tablename = 'jobs'
 """
 
-# Whether a role exists, and whether it is (or inherits) the owner: such a role could alter
-# the schema whatever is granted to it.
+# Whether a role exists, and whether it is (or inherits) the owner, is a superuser, or may
+# create roles (before PostgreSQL 16 such a role can grant itself the owner): any of these
+# could alter the schema whatever is granted to it.
 ROLE = """
-SELECT pg_has_role(r.rolname, %(owner)s, 'USAGE') OR r.rolsuper
+SELECT pg_has_role(r.rolname, %(owner)s, 'USAGE') OR r.rolsuper OR r.rolcreaterole
   FROM pg_roles AS r WHERE r.rolname = %(role)s
 """
 
