@@ -114,7 +114,9 @@ def test_the_sqlalchemy_guide_works_verbatim_from_an_empty_project(database: str
         with WorkerProcess(url, "skipjack", ["default"], app="shop.jobs:app",
                            log=tmp_path / "worker.log", cwd=tmp_path) as worker:
             assert app.job_handle(1).result(timeout=60) is None
-            assert "job 1 succeeded: shop.jobs.record_payment" in worker.log()
+            # the line is written just after the outcome the result was read from
+            wait_until(lambda: "job 1 succeeded: shop.jobs.record_payment" in worker.log(),
+                       what="the worker's line for the job")
     finally:
         app.close()
     assert query(url, "SELECT o.id, o.paid, p.order_id FROM orders o "
