@@ -241,16 +241,21 @@ def test_a_handler_that_ends_its_jobs_transaction_fails_its_attempt(
         wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=60,
                    what="the job done on its second attempt")
     job = tasks.get_job(job_id) or {}
+    undone = (task, how[:8]) == ("claim_misbehaves", "ROLLBACK")
+    if undone and not job["errors"]:
+        # the ROLLBACK undid the claim: another claim took the job at once and succeeded
+        # before the failed attempt's outcome was written, which its fencing then refused
+        return
     assert len(job["errors"]) == 1, job["errors"]
     # a ROLLBACK undid the claim: a claim that came before the failed attempt was counted
     # ran the job again at once, and only the error is added
-    assert job["attempt"] == 2 or (task, how[:8]) == ("claim_misbehaves", "ROLLBACK"), job
+    assert job["attempt"] == 2 or undone, job
     error = job["errors"][0]["error"]
     assert error.startswith("HandlerTransactionError: "), error
     assert ("went on" in error) if how == "abort" else ("ended the job's transaction" in error)
     events = query(tasks.dsn, "SELECT event FROM {schema}.exec_log ORDER BY at",
                    schema=tasks.schema)
-    if (task, how[:8]) != ("claim_misbehaves", "ROLLBACK"):  # it may start again at once
+    if not undone:  # it may start again at once
         assert [e for (e,) in events] == ["start", "finish", "start", "finish"]  # one at a time
 
 
