@@ -100,11 +100,8 @@ class Completer:
                         if backoff.reset():
                             log.info("completer: the database is reachable again; "
                                      "recording outcomes")
-                    except (psycopg.Error, UnicodeEncodeError) as exc:
-                        # UnicodeEncodeError: a value the connection's encoding (a database
-                        # not in UTF8) cannot represent; nothing was sent
-                        if ((isinstance(exc, psycopg.Error) and connection_lost(exc))
-                                or conn is None or conn.broken):
+                    except psycopg.Error as exc:
+                        if connection_lost(exc) or conn is None or conn.broken:
                             await close_quietly(conn)
                             conn = None
                             delay = backoff.next()
@@ -178,8 +175,8 @@ class Completer:
                 applied.update({r[0]: (r[1], r[2]) for r in await cur.fetchall()})
                 self._refused.pop(key, None)
                 settled.append(form)
-            except (psycopg.Error, UnicodeEncodeError) as exc:
-                if isinstance(exc, psycopg.Error) and connection_lost(exc):
+            except psycopg.Error as exc:
+                if connection_lost(exc):
                     raise
                 if not isinstance(exc, _TRANSIENT):
                     refusal = str(exc).strip()
