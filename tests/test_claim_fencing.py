@@ -13,6 +13,7 @@ from skipjack import App
 from skipjack.outcome import Outcome, outcome_params
 from skipjack.runtime.maintenance import rescue
 from skipjack.sql import claim as queries
+from skipjack.sql.outcomes import FEW_OUTCOMES
 
 from support import query, undo_claim
 
@@ -115,6 +116,25 @@ def test_fc03_stale_worker_writes_change_nothing(app: App, kind: str) -> None:
     assert after["worker"] == "B" and after["lease_version"] == b and after["attempt"] == 2
     assert record(app, job_id, b, "complete") == [(job_id, "succeeded")]
     assert record(app, job_id, b, "complete") == []  # exactly one terminal transition
+
+
+@pytest.mark.parametrize("count", [FEW_OUTCOMES, FEW_OUTCOMES + 1, 200])
+def test_a_batch_of_outcomes_writes_the_current_leases_only(app: App, count: int) -> None:
+    # a batch of up to FEW_OUTCOMES and a larger one are written by different statements
+    # (rows by primary key, or a join): both must be fenced the same way
+    t = _task(app)
+    ids = app.enqueue_many([t.job() for _ in range(count)])
+    claimed = {r[0]: int(r[7]) for r in claim(app, limit=count)}
+    assert sorted(claimed) == sorted(ids)
+    stale = set(ids[::3])  # sent with a token that is not current: left as they are
+    batch = [Outcome(i, claimed[i] + (1 if i in stale else 0), "", "complete") for i in ids]
+    with app.connect() as conn:
+        statement = app.queries.record_outcomes(len(batch))
+        assert (statement == app.queries.RECORD_OUTCOMES) == (count <= FEW_OUTCOMES)
+        written = conn.execute(statement, outcome_params(batch)).fetchall()
+    assert sorted(r[0] for r in written) == sorted(set(ids) - stale)
+    assert {r[1] for r in written} == {"succeeded"}
+    assert {i: row(app, i)["state"] for i in stale} == {i: "running" for i in stale}
 
 
 @pytest.mark.parametrize("kind", ["complete", "retry", "discard", "release"])

@@ -109,6 +109,31 @@ def test_oldest_first_claim_reaches_low_priorities(tasks: App) -> None:
     assert [r[0] for r in rows] == [old_low]
 
 
+def test_oldest_first_claim_takes_the_oldest_of_all_priorities_and_skips_locked_rows(
+        tasks: App) -> None:
+    # the oldest-first claim walks the claim index one priority at a time: it must still give
+    # exactly the oldest jobs across priorities, leaving out rows another claim holds
+    t = tasks.tasks["t"].configure(queue="q")
+    rng = random.Random(7)
+    ids = [t.configure(priority=rng.choice([-5, 0, 0, 7, 30])).enqueue() for _ in range(60)]
+    with tasks.connect() as conn:
+        for job_id in ids:  # ages in another order than the ids, some equal (then by id)
+            conn.execute(f'UPDATE "{tasks.schema}".jobs SET run_at = now() - '
+                         "make_interval(secs => %s) WHERE id = %s",
+                         [rng.choice([10, 20, 30, 40, 50, 60]), job_id])
+        by_age = [r[0] for r in conn.execute(
+            f'SELECT id FROM "{tasks.schema}".jobs ORDER BY run_at, id').fetchall()]
+    with tasks.connect() as other, other.transaction():
+        held = by_age[1:4]
+        other.execute(f'SELECT id FROM "{tasks.schema}".jobs WHERE id = ANY(%s) FOR UPDATE',
+                      [held])
+        with tasks.connect() as conn:
+            rows = conn.execute(tasks.queries.CLAIM_OLDEST,
+                                {**claim_params(limit=15), "skip": [by_age[6]]}).fetchall()
+    oldest = [i for i in by_age if i not in held and i != by_age[6]][:15]
+    assert sorted(r[0] for r in rows) == sorted(oldest)  # RETURNING has no order
+
+
 # --- unique jobs ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])

@@ -94,7 +94,7 @@ class Completer:
                     try:
                         if conn is None or conn.closed:
                             conn = await self._db.connect_async()
-                        cur = await conn.execute(self._db.queries.RECORD_OUTCOMES,
+                        cur = await conn.execute(self._db.queries.record_outcomes(len(batch)),
                                                  outcome_params(batch))
                         applied = {r[0]: (r[1], r[2]) for r in await cur.fetchall()}
                         if backoff.reset():

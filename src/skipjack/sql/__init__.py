@@ -112,6 +112,7 @@ class Queries:
 
     # outcomes and lease renewal (fenced)
     RECORD_OUTCOMES = Statement(outcomes.RECORD_OUTCOMES)
+    RECORD_MANY_OUTCOMES = Statement(outcomes.RECORD_MANY_OUTCOMES)
     HEARTBEAT = Statement(outcomes.HEARTBEAT)
     RECORD_PROGRESS = Statement(results.RECORD_PROGRESS)
 
@@ -158,6 +159,13 @@ class Queries:
     ENQUEUED = Statement(admin.ENQUEUED)
     STATES_IN_QUEUES = Statement(admin.STATES_IN_QUEUES)
     END_SCHEMA_SESSIONS = Statement(admin.END_SCHEMA_SESSIONS)
+
+    def record_outcomes(self, count: int) -> bytes:
+        """The statement that writes a batch of ``count`` outcomes: RECORD_OUTCOMES (rows
+        looked up by primary key) up to ``outcomes.FEW_OUTCOMES``, else
+        RECORD_MANY_OUTCOMES (see ``skipjack.sql.outcomes``)."""
+        return self.RECORD_OUTCOMES if count <= outcomes.FEW_OUTCOMES \
+            else self.RECORD_MANY_OUTCOMES
 
     def job_search(self, conditions: tuple[str, ...], time: str = "created", *,
                    ids_only: bool = False, ascending: bool = False) -> bytes:

@@ -22,6 +22,10 @@ from typing import Any
 
 from .arrays import number_array, text_array
 
+PRIORITY_ORDER = "priority DESC, run_at, id"
+# Every fairness_every-th claim that takes jobs: oldest first, so no priority can starve.
+OLDEST_ORDER = "run_at, id"
+
 
 def candidates(*, queue_filter: str, order: str, limit: str) -> str:
     """The jobs a claim takes: available now in one queue, of the right mode, not skipped,
@@ -34,15 +38,54 @@ def candidates(*, queue_filter: str, order: str, limit: str) -> str:
 
     ``skip`` holds ids this worker leaves alone for a while because claiming them failed
     (see ``skipjack.runtime.producer``); usually none.
+
+    The claim index is ordered by priority first, so the oldest jobs of every priority are
+    found one priority at a time (``_oldest_candidates``), never by sorting the whole queue.
     """
-    return """SELECT id FROM {schema}.jobs
+    if order == OLDEST_ORDER:
+        return _oldest_candidates(queue_filter, limit)
+    return _locked("", queue_filter, order, limit)
+
+
+def _locked(condition: str, queue_filter: str, order: str, limit: str) -> str:
+    """The candidates' SELECT (id and run_at), with ``condition`` (SQL starting with AND, or
+    empty) added to the filter."""
+    return """SELECT id, run_at FROM {schema}.jobs
          WHERE state = 'available' AND queue = %(queue)s AND run_at <= now()
            AND (task = ANY(%(claim_mode_tasks)s::text[])) = %(claim_mode)s
-           AND id <> ALL(%(skip)s::bigint[])
+           AND id <> ALL(%(skip)s::bigint[])""" + condition + """
            AND """ + queue_filter + """
          ORDER BY """ + order + """
          LIMIT """ + limit + """
            FOR NO KEY UPDATE SKIP LOCKED"""
+
+
+def _oldest_candidates(queue_filter: str, limit: str) -> str:
+    """The oldest candidates whatever their priority: the priorities of the queue's available
+    jobs, each found with one probe of the claim index below the previous one (a skip scan),
+    then the oldest ``limit`` of each priority, locked, and the oldest ``limit`` of all those.
+    A queue of one priority costs two probes more than a claim in priority order; sorting the
+    queue instead took 23 ms for a claim of 100 from 100,000 available jobs and 267 ms from
+    1,000,000 (2 ms in priority order), every ``fairness_every``-th claim. The rows locked
+    but not taken are released when the claim's transaction ends."""
+    return """SELECT o.id FROM (
+        WITH RECURSIVE levels(priority) AS (
+            (SELECT priority FROM {schema}.jobs
+              WHERE state = 'available' AND queue = %(queue)s
+              ORDER BY priority DESC LIMIT 1)
+            UNION ALL
+            SELECT (SELECT p.priority FROM {schema}.jobs AS p
+                     WHERE p.state = 'available' AND p.queue = %(queue)s
+                       AND p.priority < l.priority
+                     ORDER BY p.priority DESC LIMIT 1)
+              FROM levels AS l WHERE l.priority IS NOT NULL
+        )
+        SELECT c.id, c.run_at FROM levels AS l CROSS JOIN LATERAL (
+            """ + _locked(" AND priority = l.priority", queue_filter, OLDEST_ORDER,
+                          limit) + """) AS c
+    ) AS o
+ ORDER BY o.run_at, o.id
+ LIMIT """ + limit
 
 
 def claim_jobs(jobs: str) -> str:
@@ -67,9 +110,6 @@ RETURNING j.id, j.queue, j.task,
 """
 
 
-PRIORITY_ORDER = "priority DESC, run_at, id"
-# Every fairness_every-th claim that takes jobs: oldest first, so no priority can starve.
-OLDEST_ORDER = "run_at, id"
 
 # A paused queue, or one with a concurrency or rate limit, is not claimed by CLAIM: limited
 # queues go through LOCK_QUEUE + CLAIM_LIMITED, paused ones not at all.

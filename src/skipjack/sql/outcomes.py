@@ -23,7 +23,7 @@ from __future__ import annotations
 # and are missing from RETURNING, which gives each written job's new state and, for a retry or
 # release, its run_at (when it becomes runnable again; NULL for the others, whose timestamp
 # would only cost the worker a parse per job).
-RECORD_OUTCOMES = """
+_RECORD = """
 UPDATE {schema}.jobs AS j
    SET state = CASE
                  WHEN o.kind = 'complete' THEN 'succeeded'
@@ -63,9 +63,27 @@ UPDATE {schema}.jobs AS j
   FROM json_to_recordset(%(outcomes)s::json)
        AS o(id bigint, lease_version bigint, kind text, delay float8, result text, error text,
             progress text)
- WHERE j.id = o.id AND j.lease_version = o.lease_version AND j.state = 'running'
+ WHERE {match} j.id = o.id AND j.lease_version = o.lease_version AND j.state = 'running'
 RETURNING j.id, j.state, CASE WHEN o.kind IN ('retry', 'release') THEN j.run_at END
 """
+
+# The planner takes a set-returning function such as json_to_recordset for 100 rows, so it
+# joined a batch of one to three outcomes to every entry of jobs_running_idx, whose entries of
+# jobs that have finished since stay there until a vacuum (a bitmap scan does not mark them
+# dead): in W4 of `skipjack bench` run with 30,000 jobs (8 processes of concurrency 1), an
+# outcome read about 6,700 such entries and 330 heap pages. A batch of up to FEW_OUTCOMES is
+# therefore written by RECORD_OUTCOMES, which looks its rows up by primary key
+# (`j.id = ANY(ARRAY(...))`, the ids read from the JSON a second time); a larger one by
+# RECORD_MANY_OUTCOMES, the plain join, which for 1,000 outcomes runs in half the time (the
+# array is searched once per row read). The ids are not an array parameter of their own:
+# a plan made for each execution's array would then cost less than the prepared generic
+# plan, and the statement would be planned anew every time (0.18 ms); the array of a
+# sub-select is unknown to both plans, so the generic plan is kept.
+FEW_OUTCOMES = 32
+RECORD_OUTCOMES = _RECORD.replace("{match}", """j.id = ANY(ARRAY(SELECT (e ->> 'id')::bigint
+                           FROM json_array_elements(%(outcomes)s::json) AS e))
+   AND""")
+RECORD_MANY_OUTCOMES = _RECORD.replace("{match}", "")
 
 # Renew the leases of a batch of running jobs (fenced). It never waits on a row lock (SKIP
 # LOCKED): the worker's own completer, a cancel request or a rescuer may hold some of the rows,

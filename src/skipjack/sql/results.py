@@ -37,7 +37,8 @@ SELECT state, result, errors, progress, attempt, max_attempts
 # The latest progress of running jobs, fenced like the outcome: a job whose lease this worker
 # lost keeps what its new owner wrote. One JSON array of {id, lease_version, progress}. It
 # never waits on a row lock (SKIP LOCKED, as the heartbeat); it returns the ids written, and
-# the worker tries the others again at its next write.
+# the worker tries the others again at its next write. Rows are found by primary key, as in
+# RECORD_OUTCOMES.
 RECORD_PROGRESS = """
 WITH p AS (
     SELECT * FROM json_to_recordset(%(progress)s::json)
@@ -45,7 +46,9 @@ WITH p AS (
 ), locked AS (
     SELECT j.id, p.progress FROM {schema}.jobs AS j
       JOIN p ON j.id = p.id AND j.lease_version = p.lease_version
-     WHERE j.state = 'running'
+     WHERE j.id = ANY(ARRAY(SELECT (e ->> 'id')::bigint
+                              FROM json_array_elements(%(progress)s::json) AS e))
+       AND j.state = 'running'
        FOR NO KEY UPDATE OF j SKIP LOCKED
 )
 UPDATE {schema}.jobs AS j SET progress = locked.progress FROM locked WHERE j.id = locked.id

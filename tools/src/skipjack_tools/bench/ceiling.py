@@ -40,7 +40,7 @@ def _loop(app: App) -> None:
     q = app.queries
     with connect(app.dsn) as conn:
         while rows := conn.execute(q.CLAIM, CLAIM_PARAMS).fetchall():
-            conn.execute(q.RECORD_OUTCOMES, outcome_params(
+            conn.execute(q.record_outcomes(len(rows)), outcome_params(
                 [Outcome(r[0], r[7], r[1], "complete") for r in rows]))
 
 
@@ -65,7 +65,7 @@ def pgbench_script(app: App, conn: psycopg.Connection[Any]) -> str:
                         ("skip", "'{}'")):
         claim = claim.replace(f"%({name})s", value)
     claim = re.sub(r"--[^\n]*", "", claim)  # pgbench takes one statement per line, and
-    record = app.queries.RECORD_OUTCOMES.decode().replace("%(outcomes)s", ":outcomes")
+    record = app.queries.record_outcomes(BATCH).decode().replace("%(outcomes)s", ":outcomes")
     gather = (f"WITH c AS ({claim.strip()})\n"
               "SELECT coalesce(json_agg(json_build_object('id', id, 'lease_version', "
               "lease_version, 'kind', 'complete', 'delay', 0)), '[]')::text AS outcomes\n"

@@ -74,7 +74,7 @@ def _claim_loop(app: App, conn: psycopg.Connection[Any], claims: int,
         rows = conn.execute(q.CLAIM, params).fetchall()
         times.append((time.perf_counter() - t0) * 1000)
         if rows:
-            conn.execute(q.RECORD_OUTCOMES, outcome_params(
+            conn.execute(q.record_outcomes(len(rows)), outcome_params(
                 [Outcome(r[0], r[7], r[1], "complete") for r in rows]))
         elif seconds is not None:
             time.sleep(0.005)  # wait for the feed

@@ -46,7 +46,7 @@ def claim_probe(app: App, stop: threading.Event, seen: list[tuple[float, float]]
             rows = conn.execute(q.CLAIM, params).fetchall()
             seen.append((t0 - started, (time.monotonic() - t0) * 1000))
             if rows:
-                conn.execute(q.RECORD_OUTCOMES, outcome_params(
+                conn.execute(q.record_outcomes(len(rows)), outcome_params(
                     [Outcome(r[0], r[7], r[1], "complete") for r in rows]))
 
 
