@@ -110,7 +110,6 @@ RETURNING j.id, j.queue, j.task,
 """
 
 
-
 # A paused queue, or one with a concurrency or rate limit, is not claimed by CLAIM: limited
 # queues go through LOCK_QUEUE + CLAIM_LIMITED, paused ones not at all.
 _UNCONTROLLED = """NOT EXISTS (SELECT 1 FROM {schema}.queues AS q WHERE q.name = %(queue)s

@@ -15,6 +15,12 @@ from psycopg import sql
 # Empty a tool's own schema before a run (the demo, chaos) or after it (a benchmark).
 DROP_SCHEMA = "DROP SCHEMA IF EXISTS {schema} CASCADE"
 
+# Before each benchmark scenario: write out what earlier scenarios left dirty (a checkpoint
+# spread over minutes otherwise slows the next scenario's commits), then see whether an
+# autovacuum worker is still busy with the tables of an earlier one.
+CHECKPOINT = "CHECKPOINT"
+AUTOVACUUMS = "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
+
 # Totals over a whole run of the demo: jobs that needed more than one
 # attempt, and seconds from the first enqueue to the last finish.
 RUN_SUMMARY = """

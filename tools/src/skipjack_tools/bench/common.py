@@ -23,7 +23,7 @@ from psycopg.conninfo import make_conninfo
 
 from skipjack.app import App
 
-from ..sql import DROP_SCHEMA, render
+from ..sql import AUTOVACUUMS, CHECKPOINT, DROP_SCHEMA, render
 
 QUEUE = "bench"
 log = logging.getLogger("skipjack.bench")
@@ -86,6 +86,20 @@ def server_answers(dsn: str, timeout: float = 90) -> bool:
         except psycopg.OperationalError:
             if time.monotonic() > deadline:
                 return False
+            time.sleep(0.5)
+
+
+def settle(dsn: str, timeout: float = 60) -> None:
+    """Start a scenario from a quiet server: a CHECKPOINT (left out where the role may not
+    run one), then up to ``timeout`` seconds for autovacuum workers to finish. Every
+    scenario of skipjack's and of each peer's starts so, whatever ran before it."""
+    with connect(dsn) as conn:
+        try:
+            conn.execute(CHECKPOINT)
+        except psycopg.errors.InsufficientPrivilege:
+            pass
+        deadline = time.monotonic() + timeout
+        while conn.execute(AUTOVACUUMS).fetchone()[0] and time.monotonic() < deadline:  # type: ignore[index]
             time.sleep(0.5)
 
 

@@ -25,7 +25,7 @@ from . import (
     scaling,
     soak,
 )
-from .common import Settings, connect, server_answers
+from .common import Settings, connect, server_answers, settle
 from .peers.runner import PEERS, run_peer
 from .report import dig, ratios, targets
 
@@ -79,6 +79,7 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
     }
     for name in SCENARIOS + OPTIONAL:
         if name in only:
+            settle(settings.dsn)
             t0 = time.monotonic()
             sj[name] = _attempt(settings, name, steps[name])
             sj[name]["elapsed_s"] = round(time.monotonic() - t0, 1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..common import Settings, fresh_database, median
+from ..common import Settings, fresh_database, median, settle
 
 HERE = Path(__file__).parent
 MARK = "BENCH-RESULT "
@@ -118,6 +118,7 @@ def run_peer(settings: Settings, name: str, sizes: dict[str, dict[str, Any]]
     out: dict[str, Any] = {"version": version}
     for scenario, params in sizes.items():
         settings.log(f"{name}: {scenario} {params}")
+        settle(settings.dsn)
         runs = []
         for _ in range(settings.runs):
             with fresh_database(settings.dsn, name) as dsn:
