@@ -109,29 +109,36 @@ def test_oldest_first_claim_reaches_low_priorities(tasks: App) -> None:
     assert [r[0] for r in rows] == [old_low]
 
 
-def test_oldest_first_claim_takes_the_oldest_of_all_priorities_and_skips_locked_rows(
+def test_oldest_first_claim_takes_the_priority_that_waited_longest_and_skips_locked_rows(
         tasks: App) -> None:
-    # the oldest-first claim walks the claim index one priority at a time: it must still give
-    # exactly the oldest jobs across priorities, leaving out rows another claim holds
+    # the oldest-first claim walks the claim index one priority at a time: it takes, in age
+    # order, the jobs of the priority whose oldest job is the queue's oldest, leaving out rows
+    # another claim holds and the skip list, and locks nothing it does not take
     t = tasks.tasks["t"].configure(queue="q")
     rng = random.Random(7)
-    ids = [t.configure(priority=rng.choice([-5, 0, 0, 7, 30])).enqueue() for _ in range(60)]
+    for _ in range(90):
+        t.configure(priority=rng.choice([-5, 0, 0, 7, 30])).enqueue()
     with tasks.connect() as conn:
-        for job_id in ids:  # ages in another order than the ids, some equal (then by id)
-            conn.execute(f'UPDATE "{tasks.schema}".jobs SET run_at = now() - '
-                         "make_interval(secs => %s) WHERE id = %s",
-                         [rng.choice([10, 20, 30, 40, 50, 60]), job_id])
-        by_age = [r[0] for r in conn.execute(
-            f'SELECT id FROM "{tasks.schema}".jobs ORDER BY run_at, id').fetchall()]
+        conn.execute(f'UPDATE "{tasks.schema}".jobs SET run_at = now() - '
+                     "make_interval(secs => (random() * 6)::int * 10)")  # ties too: by id
+        by_age = conn.execute(f'SELECT id, priority FROM "{tasks.schema}".jobs '
+                              "ORDER BY run_at, id").fetchall()
+    skipped = by_age[0][0]  # the oldest: its priority is chosen by the next oldest
+    level = by_age[1][1]
+    in_level = [i for i, p in by_age if p == level and i != skipped]
+    held = in_level[1:3]
     with tasks.connect() as other, other.transaction():
-        held = by_age[1:4]
         other.execute(f'SELECT id FROM "{tasks.schema}".jobs WHERE id = ANY(%s) FOR UPDATE',
                       [held])
-        with tasks.connect() as conn:
+        with tasks.connect() as conn, conn.transaction():
             rows = conn.execute(tasks.queries.CLAIM_OLDEST,
-                                {**claim_params(limit=15), "skip": [by_age[6]]}).fetchall()
-    oldest = [i for i in by_age if i not in held and i != by_age[6]][:15]
-    assert sorted(r[0] for r in rows) == sorted(oldest)  # RETURNING has no order
+                                {**claim_params(limit=8), "skip": [skipped]}).fetchall()
+            with tasks.connect() as third:  # every other available job is still free
+                free = third.execute(
+                    f'SELECT count(*) FROM (SELECT id FROM "{tasks.schema}".jobs '
+                    "WHERE state = 'available' FOR UPDATE SKIP LOCKED) AS f").fetchone()
+    assert sorted(r[0] for r in rows) == sorted([i for i in in_level if i not in held][:8])
+    assert free == (90 - len(rows) - len(held),)
 
 
 # --- unique jobs ----------------------------------------------------------------------------
