@@ -348,7 +348,7 @@ def roles(ctx: click.Context, worker_role: str | None, enqueuer_role: str | None
                    "handlers' average run time, 0 to 1000].")
 @click.option("--fairness-every", default=10, show_default=True, type=click.IntRange(0),
               help="Every n-th claim that takes jobs from a queue takes the oldest ones "
-                   "whatever their priority (0: strict priority).")
+                   "of the priority that has waited longest (0: strict priority).")
 @click.option("--unknown-task-grace", default="10m", show_default=True, type=DURATION,
               help="A job of a task this worker does not know is released for other workers "
                    "(its attempt not counted) until it has waited this long since its "

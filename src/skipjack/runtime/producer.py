@@ -6,7 +6,8 @@ may have lifted, or a previous claim that came back full) and there is room (see
 ``skipjack.runtime.slots.Slots.room``). Each due queue gets its share of the room, so a
 deep queue cannot fill the prefetch buffer ahead of a shallow one (FC-20 in
 ``tests/CASES.md``). Every ``fairness_every``-th claim that takes jobs from a queue takes the
-oldest runnable ones whatever their priority. Queues with a concurrency or rate limit are
+oldest runnable ones of the priority whose oldest job has waited longest, whatever that
+priority is. Queues with a concurrency or rate limit are
 claimed under the queue's row lock (``LOCK_QUEUE`` then ``CLAIM_LIMITED``); which queues are
 limited is re-read at every poll.
 

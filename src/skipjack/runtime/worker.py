@@ -103,7 +103,8 @@ class Worker:
             ``skipjack.runtime.slots``): short jobs are claimed a thousand at a time, jobs
             of 0.5 s or longer one per free slot, so they spread across workers.
         fairness_every: every n-th claim that takes jobs from a queue (limited or not) takes
-            the oldest runnable jobs whatever their priority, so no priority waits forever
+            the oldest runnable jobs of the priority whose oldest job has waited longest,
+            whatever that priority is, so no priority waits forever
             (0 disables: strict priority, where a steady stream of higher priorities starves
             lower ones).
         shutdown_grace: seconds running jobs get to finish after SIGTERM; the rest are then
