@@ -16,7 +16,7 @@ from psycopg.pq import TransactionStatus
 
 import skipjack.enqueue
 from skipjack import App, ValidationError
-from skipjack.db import channel_name
+from skipjack.channels import channel_name, due_channel_name
 
 from support import query, wait_until
 
@@ -260,12 +260,12 @@ def test_delay_and_run_at_use_database_clock(app: App) -> None:
 
 
 class Listener:
-    """Records every notification on the schema's channel."""
+    """Records every notification on the schema's channel (or ``channel``)."""
 
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: App, channel: str | None = None) -> None:
         self.conn = psycopg.connect(app.dsn, autocommit=True)
         self.conn.execute(psycopg.sql.SQL("LISTEN {}").format(
-            psycopg.sql.Identifier(channel_name(app.schema))))
+            psycopg.sql.Identifier(channel or channel_name(app.schema))))
         self.notes: list[str] = []
 
     def drain(self, timeout: float = 0.5) -> list[str]:
@@ -301,6 +301,34 @@ def test_fc09_no_wakeup_before_commit_none_after_rollback(app: App) -> None:
         conn.rollback()
     assert listener.drain(0.3) == ["q"]
     listener.conn.close()
+
+
+def test_a_bulk_enqueue_wakes_each_queue_once_and_says_when_its_soonest_delayed_job_is_due(
+        app: App) -> None:
+    t = _task(app)
+    queues, due = Listener(app), Listener(app, due_channel_name(app.schema))
+    now = datetime.now(UTC)
+    soonest = now + timedelta(seconds=30)
+    ids = app.enqueue_many([
+        *(t.configure(queue=q).job(n=i) for q in ("a", "b", "a") for i in range(3)),
+        t.configure(run_at=now + timedelta(seconds=90)).job(),
+        t.configure(run_at=soonest).job(),
+        t.configure(queue="c", delay=60).job(),
+    ])
+    assert len(ids) == 12
+    assert sorted(queues.drain()) == ["a", "b"]  # none for the delayed jobs' queues
+    (note,) = due.drain()
+    assert abs(float(note) - soonest.timestamp()) < 0.001
+    # a job whose idempotency key is held is not inserted, and wakes no one
+    keyed = t.configure(idempotency_key="k")
+    first = keyed.enqueue()
+    assert queues.drain()[2:] == ["q"]
+    assert keyed.enqueue() == first
+    assert app.enqueue_many([keyed.job(), keyed.configure(queue="d").job()]) == [first] * 2
+    assert queues.drain(0.3)[2:] == ["q"]
+    assert due.drain(0.1) == [note]
+    queues.conn.close()
+    due.conn.close()
 
 
 def test_future_job_sends_no_wakeup(app: App) -> None:

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from skipjack import App
-from skipjack.db import channel_name
+from skipjack.channels import channel_name
 from skipjack_tools.chaos import ChaosOptions, run_chaos
 
 from support import (

@@ -19,7 +19,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from skipjack import App
-from skipjack.db import channel_name
+from skipjack.channels import channel_name
 from skipjack_tools import hosts
 from skipjack_tools.hosts import Host, HostsUnavailable, Network, PrivateServer
 

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from skipjack import App
-from skipjack.db import channel_name
+from skipjack.channels import channel_name
 from skipjack.runtime.maintenance import NotifyQueueWatch, rescue
 from skipjack.runtime.worker import Worker
 

@@ -250,7 +250,7 @@ def test_the_due_time_notification_says_when_whatever_the_transaction_s_length(
     # it names the soonest run_at itself (the database's clock), so a job enqueued in a
     # transaction that stays open past its due time is staged at once after the commit;
     # seconds counted from the insert would stage it that much later
-    from skipjack.db import due_channel_name
+    from skipjack.channels import due_channel_name
 
     with tasks.connect() as listener, tasks.connect(autocommit=False) as caller:
         listener.execute(sql.SQL("LISTEN {}").format(

@@ -18,8 +18,9 @@ from typing import Any, Literal
 import psycopg
 import psycopg.rows
 
+from .channels import channel_name, settings_channel_name
 from .cron import GRACE_MAX
-from .db import Database, channel_name, settings_channel_name
+from .db import Database
 from .errors import ValidationError
 from .jobs import QUEUE_MAX_BYTES, check_name, job_ids
 from .search import JobFilter

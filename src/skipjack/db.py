@@ -8,7 +8,6 @@ connection factories with skipjack's connection options.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import random
@@ -19,6 +18,7 @@ from typing import Any
 import psycopg
 
 from . import embedded
+from .channels import channel_name
 from .sql import Queries
 
 log = logging.getLogger("skipjack.db")
@@ -77,29 +77,6 @@ def safe_dsn(dsn: str) -> str:
         return "<dsn>"
     info.pop("password", None)
     return " ".join(f"{k}={v}" for k, v in info.items())
-
-
-def channel_name(schema: str) -> str:
-    """The LISTEN/NOTIFY channel of a schema's jobs table (at most 25 bytes)."""
-    return "skipjack_" + hashlib.sha1(schema.encode()).hexdigest()[:16]
-
-
-def settings_channel_name(schema: str) -> str:
-    """The channel on which a change of a queue's settings (paused, limits) is announced,
-    with the queue name as payload, so that workers take it up at once (at most 34 bytes)."""
-    return channel_name(schema) + "_queues"
-
-
-def due_channel_name(schema: str) -> str:
-    """The channel on which an enqueue of delayed jobs says when the soonest is due: its
-    run_at in seconds since 1970-01-01 UTC (migration 7; at most 29 bytes)."""
-    return channel_name(schema) + "_due"
-
-
-def done_channel_name(schema: str) -> str:
-    """The channel on which the end of an awaited job of a schema is announced, with the
-    job id as payload (migration 6; at most 30 bytes)."""
-    return channel_name(schema) + "_done"
 
 
 def connection_lost(exc: BaseException) -> bool:

@@ -31,13 +31,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .db import (
-    ReconnectDelay,
-    channel_name,
-    connection_lost,
-    done_channel_name,
-    due_channel_name,
-)
+from .channels import channel_name, done_channel_name, due_channel_name
+from .db import ReconnectDelay, connection_lost
 from .errors import MigrationError, MigrationLockError, SchemaVersionError, ValidationError
 from .sql import Queries, render
 from .sql.schema import CREATE_SCHEMA

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from .db import ReconnectDelay, channel_name, done_channel_name
+from .channels import channel_name, done_channel_name
+from .db import ReconnectDelay
 from .errors import JobFailed, JobNotFound, ResultTimeout, ValidationError
 from .sql.schema import listen_statement
 

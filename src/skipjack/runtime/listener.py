@@ -11,7 +11,8 @@ from typing import Any
 
 import psycopg
 
-from ..db import Database, ReconnectDelay, due_channel_name, settings_channel_name
+from ..channels import due_channel_name, settings_channel_name
+from ..db import Database, ReconnectDelay
 from ..errors import ConfigError
 from ..sql.schema import listen_statement
 

@@ -38,8 +38,9 @@ import psycopg
 
 from ..admin import BATCH, notify, prune, rollup
 from ..app import App
+from ..channels import channel_name
 from ..cron import plan
-from ..db import Database, ReconnectDelay, channel_name, connection_lost
+from ..db import Database, ReconnectDelay, connection_lost
 from ..sql import Queries
 from ..sql.arrays import number_array
 from .skips import SkipList

@@ -3,10 +3,11 @@
 The statements are templates in the modules of this package (``enqueue``, ``claim``,
 ``outcomes``, ``maintenance``, ``admin``, ``cron``, ``workers``, ``schema``, and ``roles``
 (privileges)), in which
-``{schema}`` stands for the quoted schema name; values are always bound parameters
-(``%(name)s``), never interpolated. ``Queries`` renders them for one schema, each on first
-use, as UTF-8 bytes, so running a statement costs no re-rendering (psycopg then caches its
-parse of the text).
+``{schema}`` stands for the quoted schema name, and ``{channel}`` and ``{due_channel}`` for
+the schema's notification channels (``skipjack.channels``, as string literals); values are
+always bound parameters (``%(name)s``), never interpolated. ``Queries`` renders them for one
+schema, each on first use, as UTF-8 bytes, so running a statement costs no re-rendering
+(psycopg then caches its parse of the text).
 
 Fencing: every write about a claimed job (complete, retry, discard, release, heartbeat,
 rescue) matches ``state = 'running' AND lease_version = <token read at claim>``. A write that
@@ -29,6 +30,7 @@ from typing import overload
 
 from psycopg import sql
 
+from ..channels import channel_name, due_channel_name
 from . import admin, claim, cron, enqueue, maintenance, outcomes, results, schema, workers
 
 
@@ -65,7 +67,8 @@ class Statement:
     def __get__(self, obj: Queries | None, owner: type | None = None) -> Statement | bytes:
         if obj is None:
             return self
-        text = render(self.template, obj.schema).as_string().encode()
+        text = render(self.template, obj.schema, channel=obj.channel,
+                      due_channel=obj.due_channel).as_string().encode()
         obj.__dict__[self.name] = text  # later reads find it on the instance
         return text
 
@@ -83,6 +86,8 @@ class Queries:
 
     def __init__(self, schema: str) -> None:
         self.schema = schema
+        self.channel = channel_name(schema)
+        self.due_channel = due_channel_name(schema)
         self._searches: dict[tuple[tuple[str, ...], str, bool, bool], bytes] = {}
 
     # enqueue

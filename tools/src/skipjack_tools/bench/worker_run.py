@@ -16,7 +16,7 @@ from typing import Any
 from psycopg import sql
 
 from skipjack.app import App
-from skipjack.db import channel_name
+from skipjack.channels import channel_name
 from skipjack.runtime import eventloop
 from skipjack.runtime.worker import Worker
 
