@@ -217,6 +217,59 @@ def test_an_outcome_the_database_refuses_is_recorded_without_the_rest_waiting(
     assert (stats.succeeded, stats.retried, stats.stale_writes) == (2, 1, 0)
 
 
+def test_outcomes_that_arrive_during_a_write_wait_to_share_the_next_statement(
+        app: App) -> None:
+    """While jobs still run, the outcomes that came in while a batch was being written are
+    not sent at once as a statement of their own: they wait (the linger) for more, and go
+    out with those. Which outcomes shared a statement shows in finished_at (the time of the
+    statement's transaction)."""
+    t = app.task(name="t", queue="q")(lambda: None)
+    ids = [t.enqueue() for _ in range(3)]
+    with app.connect() as conn:
+        rows = conn.execute(app.queries.CLAIM, claim_params(
+            "q", 3, lease=30.0, worker="w", inline_bytes=1 << 20)).fetchall()
+    jobs = {row[0]: Job(*row) for row in rows}
+    first, during, after = (Outcome(jobs[i].id, jobs[i].lease_version, "q", "complete")
+                            for i in ids)
+    written: list[int] = []
+
+    def recorded(o: Outcome, state: str | None, run_at: Any) -> None:
+        written.append(o.id)
+
+    async def deadline(condition: Any, what: str) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 30
+        while not condition():
+            assert loop.time() < end, f"timed out waiting for {what}"
+            await asyncio.sleep(0.001)
+
+    async def record() -> None:
+        completer = Completer(app.db, Leases(), recorded, more_coming=lambda: True,
+                              wait=lambda: 0.3)
+        runner = asyncio.create_task(completer.run())
+        # the first outcome's write waits for a row lock held here, so that the second
+        # outcome arrives while it is being written
+        blocker = await app.db.connect_async(autocommit=False)
+        await blocker.execute(sql.SQL("SELECT 1 FROM {}.jobs WHERE id = %s FOR UPDATE").format(
+            sql.Identifier(app.schema)), [first.id])
+        completer.submit(first)
+        await deadline(lambda: completer._writing, "the first write")
+        completer.submit(during)
+        await blocker.commit()
+        await blocker.close()
+        await deadline(lambda: written, "the first outcome written")
+        completer.submit(after)
+        await asyncio.wait_for(completer.flush(), timeout=60)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(record())
+    assert written == [first.id, during.id, after.id]
+    finished = dict(query(app.dsn, "SELECT id, finished_at FROM {schema}.jobs",
+                          schema=app.schema))
+    assert finished[during.id] == finished[after.id] != finished[first.id]
+
+
 @pytest.mark.parametrize(("task", "how", "seconds"), [
     ("claim_misbehaves", "COMMIT", 3.0),  # longer than its 2 s lease: must not be rescued
     ("claim_misbehaves", "ROLLBACK", 0.0),

@@ -1,7 +1,8 @@
 """The completer: records outcomes of attempts in fenced batches.
 
 The completer writes every outcome that piled up while its previous write ran, in one
-statement (``RECORD_OUTCOMES``), so a busy worker spends far less than one round trip per job.
+statement (``RECORD_OUTCOMES``), so a busy worker spends far less than one round trip per job;
+while jobs still run, a small batch first waits a little for more (``linger``).
 A failed write is retried on a fresh connection until it lands: an outcome is never dropped
 while the worker lives, and fencing makes a late or repeated write harmless.
 """
@@ -29,9 +30,27 @@ log = logging.getLogger("skipjack.worker")
 
 # While other jobs are still running, a batch smaller than LINGER_BATCH waits LINGER seconds
 # for more outcomes before it is written: short jobs then share one statement (and one
-# commit) per few milliseconds instead of one per job or two.
+# commit) per few milliseconds instead of one per job or two. Where the slots finish jobs
+# too slowly for that to gather more than a couple (a few ms each, few slots: a worker of
+# concurrency 1 running 2 ms jobs wrote 4 outcomes a statement on average), the batch
+# waits instead as long as the slots take to finish LINGER_OUTCOMES more, up to LINGER_MAX
+# (see ``linger``; docs/performance.md, "The outcome linger").
 LINGER = 0.005
+LINGER_MAX = 0.02
+LINGER_OUTCOMES = 8
 LINGER_BATCH = 100
+
+
+def linger(run_time: float | None, concurrency: int) -> float:
+    """Seconds a small batch waits for more outcomes: the time the slots take to finish
+    LINGER_OUTCOMES jobs (``LINGER_OUTCOMES * run_time / concurrency``, with ``run_time`` the
+    handlers' average in seconds, None before the first ends) when that lies between LINGER
+    and LINGER_MAX, else LINGER (a wait that would gather only a few outcomes anyway, or one
+    that would hold each outcome of slow jobs back for long)."""
+    if run_time is None:
+        return LINGER
+    fill = LINGER_OUTCOMES * run_time / concurrency
+    return fill if LINGER < fill <= LINGER_MAX else LINGER
 
 
 class Completer:
@@ -43,16 +62,20 @@ class Completer:
         report: called with each outcome written (and the job's new state and run_at) or
             rejected as stale (state None).
         more_coming: whether more outcomes are on their way (jobs still running); a small
-            batch then waits ``LINGER`` seconds to grow before it is written.
+            batch then waits ``wait()`` seconds to grow before it is written.
+        wait: how long such a batch waits, in seconds (the worker's: ``linger`` of its
+            handlers' average run time and its concurrency).
         on_written: called after each batch is written (the worker may claim again).
     """
 
     def __init__(self, db: Database, leases: Leases,
                  report: Callable[[Outcome, str | None, datetime | None], None],
                  more_coming: Callable[[], bool] = lambda: False,
-                 on_written: Callable[[], None] = lambda: None) -> None:
+                 on_written: Callable[[], None] = lambda: None,
+                 wait: Callable[[], float] = lambda: LINGER) -> None:
         self._db = db
         self._more_coming = more_coming
+        self._wait = wait
         self._on_written = on_written
         self._leases = leases
         self._report = report
@@ -86,7 +109,7 @@ class Completer:
             while True:
                 await self._ready.wait()
                 if len(self._pending) < LINGER_BATCH and self._more_coming():
-                    await asyncio.sleep(LINGER)  # let the batch grow: fewer statements
+                    await asyncio.sleep(self._wait())  # let the batch grow: fewer statements
                 self._ready.clear()
                 while self._pending:
                     batch = sorted(self._pending[:1000], key=lambda o: o.id)  # lock order
@@ -130,6 +153,12 @@ class Completer:
                         self._leases.remove(o.id, o.lease_version)
                         self._report(o, *applied.get(o.id, (None, None)))
                     self._on_written()
+                    if self._pending and len(self._pending) < LINGER_BATCH \
+                            and self._more_coming():
+                        # what came in during the write waits to grow as well, rather than
+                        # go out as a statement of one or two outcomes
+                        self._ready.set()
+                        break
                 self._flushed.set()
         finally:
             await close_quietly(conn)

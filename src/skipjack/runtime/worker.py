@@ -42,7 +42,7 @@ from ..roles import check_worker
 from ..sql.claim import claim_params
 from . import eventloop
 from .claim_mode import ClaimModeRunners
-from .completer import Completer
+from .completer import Completer, linger
 from .executor import Executor
 from .heartbeat import HeartbeatThread, Leases
 from .listener import listen, probe
@@ -233,7 +233,9 @@ class Worker:
         self._report = Reporter(self.app.hooks, self.stats)
         self._completer = Completer(db, self._leases, self._recorded,
                                     more_coming=lambda: bool(self._slots.running),
-                                    on_written=lambda: self._producer.wakeup.set())
+                                    on_written=lambda: self._producer.wakeup.set(),
+                                    wait=lambda: linger(self._slots.run_time,
+                                                        self.concurrency))
         self._executor = Executor(db, self.app.tasks, self._slots, self._leases,
                                   self._completer, self.stats, self._report, self.app.hooks,
                                   self._stopping,
