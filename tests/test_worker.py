@@ -182,17 +182,22 @@ def test_args_that_do_not_fit_the_handler_go_to_the_dead_letter_at_once(
     assert set(exec_counts(tasks.dsn, tasks.schema)) == {fine}  # never called with them
 
 
-def test_an_outcome_the_database_refuses_is_recorded_without_the_rest_waiting(
-        app: App) -> None:
-    """One outcome of a batch that the database refuses (a retry delay past its timestamps'
-    range) is written again in a form it takes, with the handler's real error; the other
-    outcomes of the batch are written as they are."""
+def _three_claimed(app: App) -> tuple[list[int], dict[int, Job]]:
+    """Three jobs of queue "q" enqueued and claimed here: their ids in order, and the jobs."""
     t = app.task(name="t", queue="q")(lambda: None)
     ids = [t.enqueue() for _ in range(3)]
     with app.connect() as conn:
         rows = conn.execute(app.queries.CLAIM, claim_params(
             "q", 3, lease=30.0, worker="w", inline_bytes=1 << 20)).fetchall()
-    jobs = {row[0]: Job(*row) for row in rows}
+    return ids, {row[0]: Job(*row) for row in rows}
+
+
+def test_an_outcome_the_database_refuses_is_recorded_without_the_rest_waiting(
+        app: App) -> None:
+    """One outcome of a batch that the database refuses (a retry delay past its timestamps'
+    range) is written again in a form it takes, with the handler's real error; the other
+    outcomes of the batch are written as they are."""
+    ids, jobs = _three_claimed(app)
     bad = jobs[ids[1]]
     outcomes = [Outcome(jobs[ids[0]].id, jobs[ids[0]].lease_version, "q", "complete"),
                 Outcome(bad.id, bad.lease_version, "q", "retry", delay=1e18,
@@ -223,12 +228,7 @@ def test_outcomes_that_arrive_during_a_write_wait_to_share_the_next_statement(
     not sent at once as a statement of their own: they wait (the linger) for more, and go
     out with those. Which outcomes shared a statement shows in finished_at (the time of the
     statement's transaction)."""
-    t = app.task(name="t", queue="q")(lambda: None)
-    ids = [t.enqueue() for _ in range(3)]
-    with app.connect() as conn:
-        rows = conn.execute(app.queries.CLAIM, claim_params(
-            "q", 3, lease=30.0, worker="w", inline_bytes=1 << 20)).fetchall()
-    jobs = {row[0]: Job(*row) for row in rows}
+    ids, jobs = _three_claimed(app)
     first, during, after = (Outcome(jobs[i].id, jobs[i].lease_version, "q", "complete")
                             for i in ids)
     written: list[int] = []
