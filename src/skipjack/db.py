@@ -18,7 +18,6 @@ from typing import Any
 import psycopg
 
 from . import embedded
-from .channels import channel_name
 from .sql import Queries
 
 log = logging.getLogger("skipjack.db")
@@ -152,7 +151,7 @@ class Database:
         self._lock = threading.Lock()
         self.schema = schema
         self.queries = Queries(schema)
-        self.channel = channel_name(schema)
+        self.channel = self.queries.channel
         self._connect_kwargs: dict[str, Any] = {**CONNECT_KWARGS, "autocommit": True}
         if not prepare:
             self._connect_kwargs["prepare_threshold"] = None
