@@ -1,5 +1,5 @@
 """Database plumbing shared by every part of skipjack: where the database is, how to connect,
-the schema's notification channel, and how to tell a lost connection from a refused statement.
+the schema's statements, and how to tell a lost connection from a refused statement.
 
 ``Database`` is the small handle that components receive instead of the whole
 ``skipjack.App``: a DSN (resolved on first use), a schema and its statements, and
@@ -151,7 +151,6 @@ class Database:
         self._lock = threading.Lock()
         self.schema = schema
         self.queries = Queries(schema)
-        self.channel = self.queries.channel
         self._connect_kwargs: dict[str, Any] = {**CONNECT_KWARGS, "autocommit": True}
         if not prepare:
             self._connect_kwargs["prepare_threshold"] = None

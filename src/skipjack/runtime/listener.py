@@ -11,7 +11,7 @@ from typing import Any
 
 import psycopg
 
-from ..channels import due_channel_name, settings_channel_name
+from ..channels import channel_name, due_channel_name, settings_channel_name
 from ..db import Database, ReconnectDelay
 from ..errors import ConfigError
 from ..sql.schema import listen_statement
@@ -43,8 +43,9 @@ async def listen(db: Database, on_queue: Callable[[str], None], on_connect: Call
     Database errors never end it: it reconnects with capped exponential backoff.
     """
     backoff = ReconnectDelay()
+    jobs = channel_name(db.schema)
     settings, due = settings_channel_name(db.schema), due_channel_name(db.schema)
-    statements = [listen_statement(c) for c in (db.channel, settings, due)]
+    statements = [listen_statement(c) for c in (jobs, settings, due)]
     while True:
         try:
             async with await db.connect_async() as conn:
