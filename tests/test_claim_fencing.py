@@ -300,6 +300,33 @@ def test_retry_delay_is_applied_on_database_clock(app: App) -> None:
     assert claim(app) == []
 
 
+def test_one_index_of_the_running_jobs_serves_the_rescuer_and_a_limited_claim(
+        app: App) -> None:
+    """Schema version 9: a claim writes one index entry for the running jobs (besides the
+    primary key's), and that index serves both the rescuer's look for expired leases and a
+    concurrency-limited queue's count of its running jobs, with history in the table; the
+    limited claim finds the rows it takes by primary key, never reading the whole table."""
+    t = _task(app)
+    app.enqueue_many([t.job() for _ in range(5000)])
+    claim(app, limit=50)
+    query(app.dsn, "UPDATE {schema}.jobs SET state = 'succeeded', finished_at = now() "
+                   "WHERE state = 'available' AND id % 2 = 0", schema=app.schema)
+    query(app.dsn, "ANALYZE {schema}.jobs", schema=app.schema)
+    running = query(app.dsn, "SELECT indexname FROM pg_indexes WHERE schemaname = %s "
+                             "AND tablename = 'jobs' AND indexdef LIKE '%%''running''%%'",
+                    [app.schema])
+    assert running == [("jobs_running_idx",)]
+    ((options,),) = query(app.dsn, "SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
+                          [f"{app.schema}.jobs"])
+    assert "fillfactor=50" in options
+    with app.connect() as conn:
+        for statement, params in ((app.queries.RESCUE_CANDIDATES, {"limit": 100}),
+                                  (app.queries.CLAIM_LIMITED, claim_params())):
+            plan = "\n".join(r[0] for r in conn.execute(b"EXPLAIN " + statement,
+                                                         params).fetchall())
+            assert "jobs_running_idx" in plan and "Seq Scan on jobs" not in plan, plan
+
+
 def test_claim_plan_uses_the_partial_index(app: App) -> None:
     t = _task(app)
     app.enqueue_many([t.job() for _ in range(2000)])

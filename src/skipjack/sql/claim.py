@@ -156,7 +156,12 @@ SELECT paused FROM {schema}.queues WHERE name = %(queue)s FOR UPDATE
 
 def claim_limited_jobs(order: str) -> str:
     """The claim from a limited queue (after LOCK_QUEUE), in ``order`` (see
-    ``candidates``): as many as its limits allow, counted into its rate window."""
+    ``candidates``): as many as its limits allow, counted into its rate window.
+
+    The candidates' ids go through an array: the planner, not knowing the LIMIT a subquery
+    computes, took a tenth of the queue's jobs for it and joined them by reading the whole
+    table (75 ms a claim with 200,000 jobs waiting); an array's elements it takes for few,
+    and looks each up by primary key (0.9 ms)."""
     return ("""
 WITH q AS (
     SELECT q.*, q.window_start IS NULL
@@ -172,8 +177,9 @@ WITH q AS (
                       %(limit)s))) AS n
       FROM q
 ), claimed AS (
-""" + claim_jobs(candidates(queue_filter="true", order=order,
-                           limit="coalesce((SELECT n FROM allowed), 0)")).strip() + """
+""" + claim_jobs("SELECT unnest(ARRAY(SELECT l.id FROM (" + candidates(
+        queue_filter="true", order=order, limit="coalesce((SELECT n FROM allowed), 0)")
+        + ") AS l)) AS id").strip() + """
 ), counted AS (
     UPDATE {schema}.queues AS q
        SET window_start = CASE WHEN q2.new_window THEN now() ELSE q.window_start END,
