@@ -17,6 +17,7 @@ import pytest
 import skipjack.migrate
 from skipjack import App, MigrationError, MigrationLockError, SchemaVersionError, ValidationError
 from skipjack.migrate import LATEST_VERSION, Migration, migrations
+from skipjack.runtime.maintenance import rescue
 from test_claim_fencing import claim
 
 from support import TESTS, Server, migration_locks, query, wait_until
@@ -97,6 +98,32 @@ def test_autovacuum_settings_are_set(app: App) -> None:
                           "ON n.oid = c.relnamespace WHERE n.nspname = %s AND relname = 'jobs'",
                           [app.schema])
     assert "autovacuum_vacuum_scale_factor=0.05" in options
+
+
+def test_version_9_keeps_the_running_jobs_of_a_version_8_schema_rescuable(
+        server: Server, schema: str) -> None:
+    """Version 9 replaces the two indexes of the running jobs with one: jobs running when it
+    is applied are found by it, an expired lease is rescued and a live one left alone."""
+    _migrate_to(server, schema, 8)
+    query(server.dsn, """
+        INSERT INTO {schema}.jobs (queue, task, args, state, attempt, attempted_at, worker,
+                                   lease_expires_at, lease_version)
+        SELECT 'q', 't', '{{}}', 'running', 1, now(), 'w', now() + make_interval(secs => s), 7
+          FROM unnest(ARRAY[-60, 600]) AS s""", schema=schema)
+    app = App(server.dsn, schema=schema)
+    try:
+        assert app.migrate() == [9]
+        indexes = query(server.dsn, "SELECT indexname, indexdef FROM pg_indexes "
+                        "WHERE schemaname = %s AND indexdef LIKE '%%''running''%%'", [schema])
+        assert [name for name, _ in indexes] == ["jobs_running_idx"]
+        assert "(queue, lease_expires_at)" in indexes[0][1]
+        with app.connect() as conn:
+            rescued = rescue(conn, app.queries)
+        assert [state for _, state in rescued] == ["available"]
+        assert sorted(r[0] for r in query(server.dsn, "SELECT state FROM {schema}.jobs",
+                                          schema=schema)) == ["available", "running"]
+    finally:
+        app.close()
 
 
 # --- lock waits ------------------------------------------------------------------------------
