@@ -25,7 +25,7 @@ from . import (
     scaling,
     soak,
 )
-from .common import Settings, connect, server_answers, settle
+from .common import BULK_CALLS, Settings, connect, server_answers, settle
 from .peers.runner import PEERS, run_peer
 from .report import dig, ratios, targets
 
@@ -122,7 +122,7 @@ def _attempt(settings: Settings, name: str, step: Callable[[], dict[str, Any]]
 def peer_sizes(settings: Settings) -> dict[str, dict[str, Any]]:
     """W1-W4 for the peers, with the sizes skipjack ran."""
     return {
-        "w1": {"single": settings.n(2000), "bulk": settings.n(10_000)},
+        "w1": {"single": settings.n(2000), "bulk": settings.n(10_000), "bulk_calls": BULK_CALLS},
         "w2": {"jobs": settings.n(10_000), "concurrency": 10},
         "w3": {"jobs": settings.n(300, minimum=30)},
         "w4": {"jobs": settings.n(2000), "seconds": 0.002},
