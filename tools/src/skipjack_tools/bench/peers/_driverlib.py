@@ -60,7 +60,7 @@ async def timed_enqueue(single: Callable[[int], Awaitable[Any]],
                         bulk: Callable[[int], Awaitable[Any]], params: dict[str, Any]
                         ) -> dict[str, Any]:
     """W1: ``single(i)`` n times, then ``bulk(n)`` ``params["bulk_calls"]`` times; jobs
-    per second of the singles and the median of the bulk calls'."""
+    per second of the singles, and the median of the bulk calls' (and each of them)."""
     await single(-1)  # connection set-up is not part of the measure
     n = params["single"]
     started = time.perf_counter()
