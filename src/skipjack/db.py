@@ -8,6 +8,7 @@ connection factories with skipjack's connection options.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from psycopg.abc import Buffer
+from psycopg.adapt import Loader
 
 from . import embedded
 from .sql import Queries
@@ -41,6 +44,26 @@ CONNECT_KWARGS: dict[str, Any] = {
 # tcp_user_timeout, say, to notice a network partition sooner).
 DSN_MAY_SET = ("connect_timeout", "tcp_user_timeout", "keepalives", "keepalives_idle",
                "keepalives_interval", "keepalives_count")
+
+
+_decode_json = json.JSONDecoder().decode
+
+
+class JsonTextLoader(Loader):
+    """Reads ``json`` and ``jsonb`` values sent as text (UTF-8: see ``CONNECT_KWARGS``).
+    psycopg's own loader hands bytes to ``json.loads``, which first works out their
+    encoding: twice the time of this one for a small object (1.5 against 0.8 us), once
+    per claimed job for its args."""
+
+    def load(self, data: Buffer) -> Any:
+        return _decode_json(str(data, "utf-8"))
+
+
+def use_json_text_loader(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+                         ) -> None:
+    """Read the JSON that ``conn`` fetches with ``JsonTextLoader``."""
+    conn.adapters.register_loader("json", JsonTextLoader)
+    conn.adapters.register_loader("jsonb", JsonTextLoader)
 
 
 def without_dsn_settings(dsn: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -187,7 +210,9 @@ class Database:
         Raises:
             psycopg.OperationalError: the database cannot be reached.
         """
-        return psycopg.connect(self.dsn, **{**self.connect_kwargs, **kwargs})
+        conn = psycopg.connect(self.dsn, **{**self.connect_kwargs, **kwargs})
+        use_json_text_loader(conn)
+        return conn
 
     async def connect_async(self, **kwargs: Any) -> psycopg.AsyncConnection[Any]:
         """A new async connection (autocommit unless ``kwargs`` say otherwise).
@@ -195,5 +220,7 @@ class Database:
         Raises:
             psycopg.OperationalError: the database cannot be reached.
         """
-        return await psycopg.AsyncConnection.connect(self.dsn,
+        conn = await psycopg.AsyncConnection.connect(self.dsn,
                                                      **{**self.connect_kwargs, **kwargs})
+        use_json_text_loader(conn)
+        return conn

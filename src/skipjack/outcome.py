@@ -39,7 +39,7 @@ UNKNOWN_TASK_GRACE = 600.0
 UNKNOWN_TASK_DELAY = 10.0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: its __init__ would take 1.5 us more, once per job
 class Outcome:
     """What became of one attempt of the job ``id`` claimed with fencing token
     ``lease_version``.

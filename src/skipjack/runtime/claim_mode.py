@@ -188,7 +188,7 @@ class ClaimModeRunners:
                 if row is None:
                     return None, None, None
                 on_claimed(queue)
-                job = Job(*row)
+                job = Job.from_row(row)
                 task = self._tasks[job.task]
                 claimed.append((job, task))
                 self._skipped.claimed(job.id)

@@ -36,7 +36,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ..app import AsyncTransactionSource, Task, TransactionSource
 from ..context import CancelCause, Job, JobContext, set_current
-from ..db import Database
+from ..db import Database, use_json_text_loader
 from ..errors import ArgumentsError, HandlerTransactionError, Snooze
 from ..hooks import Hooks
 from ..jobs import dump_result
@@ -161,22 +161,25 @@ class Executor:
 
     # --- buffering and starting ---------------------------------------------------------
 
-    def buffer(self, job: Job) -> None:
-        """A claimed job waits in the slots' ready buffer for a slot; its lease is renewed
+    def buffer(self, jobs: list[Job]) -> None:
+        """Claimed jobs wait in the slots' ready buffer for a slot; their leases are renewed
         meanwhile."""
-        stale = self._slots.running.get(job.id)
-        if stale is not None:
-            # claimed again while it still runs here: its lease expired and it was rescued,
-            # or a server crash undid its claim. The old run is cancelled and writes nothing
-            # (its token is stale); until it ends it holds its slot as a stuck thread.
-            self.lease_lost(job.id, stale.job.lease_version,
-                            "lease lost; the job was claimed again")
-            stale.superseded = True
-            del self._slots.running[job.id]
-            self._slots.stuck_threads += 1
-        self._stats.claimed += 1
-        self._leases.add(job.id, job.lease_version, job.lease)
-        self._slots.ready[job.id] = job
+        running, ready = self._slots.running, self._slots.ready
+        for job in jobs:
+            stale = running.get(job.id)
+            if stale is not None:
+                # claimed again while it still runs here: its lease expired and it was
+                # rescued, or a server crash undid its claim. The old run is cancelled and
+                # writes nothing (its token is stale); until it ends it holds its slot as a
+                # stuck thread.
+                self.lease_lost(job.id, stale.job.lease_version,
+                                "lease lost; the job was claimed again")
+                stale.superseded = True
+                del running[job.id]
+                self._slots.stuck_threads += 1
+            ready[job.id] = job
+        self._stats.claimed += len(jobs)
+        self._leases.add_jobs(jobs)
 
     def fill(self) -> None:
         """Start buffered jobs while slots are free (first claimed, first started)."""
@@ -408,12 +411,15 @@ class Executor:
 
 def _no_idle_timeout(conn: psycopg.Connection[Any]) -> None:
     """A new connection of the handlers' pool lifts the role's idle transaction timeout
-    (see ``LIFT_IDLE_TIMEOUT`` in ``skipjack.sql.claim``)."""
+    (see ``LIFT_IDLE_TIMEOUT`` in ``skipjack.sql.claim``) and reads JSON as the
+    worker's own connections do (``skipjack.db.JsonTextLoader``)."""
+    use_json_text_loader(conn)
     conn.execute(LIFT_IDLE_TIMEOUT)
 
 
 async def _no_idle_timeout_async(conn: psycopg.AsyncConnection[Any]) -> None:
     """``_no_idle_timeout`` for the async pool."""
+    use_json_text_loader(conn)
     await conn.execute(LIFT_IDLE_TIMEOUT)
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 
+from ..context import Job
 from ..db import Database, ReconnectDelay, connection_lost
 
 log = logging.getLogger("skipjack.heartbeat")
@@ -24,7 +25,7 @@ log = logging.getLogger("skipjack.heartbeat")
 PROGRESS_INTERVAL = 1.0  # seconds: the most often a job's progress is written
 
 
-@dataclass
+@dataclass(slots=True)
 class Lease:
     """One running job as the heartbeat sees it."""
 
@@ -54,6 +55,15 @@ class Leases:
         with self.lock:
             self.by_id[job_id] = Lease(job_id, lease_version, lease, time.monotonic(),
                                        uncommitted=uncommitted)
+
+    def add_jobs(self, jobs: Iterable[Job]) -> None:
+        """Hold the claimed ``jobs`` (their leases start now): ``add`` for each, under one
+        acquisition of the lock."""
+        now = time.monotonic()
+        with self.lock:
+            by_id = self.by_id
+            for job in jobs:
+                by_id[job.id] = Lease(job.id, job.lease_version, job.lease, now)
 
     def finishing(self, job_id: int, lease_version: int) -> None:
         with self.lock:

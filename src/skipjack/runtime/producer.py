@@ -171,8 +171,7 @@ class Producer:
                         self.due[queue] = False
                         if queue in self._limited:  # a limit may lift soon (rate window)
                             loop.call_later(0.5, self.mark_due, queue)
-                    for row in rows:
-                        self._executor.buffer(Job(*row))
+                    self._executor.buffer([Job.from_row(row) for row in rows])
                     self._executor.fill()
                 free = self._slots.room(len(self._completer))
                 if (free > 0 and any(self.due.values())) or self._stopping.is_set():
