@@ -24,12 +24,22 @@ from .common import QUEUE, connect, free_port, wait_for
 
 
 class StateCounter:
-    """Counts jobs of one state on a connection kept open (cheap to poll)."""
+    """Counts jobs of one state on a connection kept open, cheaply enough to poll while a
+    drain runs: while any job is still to run (available, scheduled or running: a probe of
+    each state's partial index, one snapshot for all three) it answers 0 without counting.
+    Counting the table itself at each poll loads the server the drain measures: a
+    ``count(*)`` of 100,000 jobs took 12.6 ms, a quarter of a core at a poll every 50 ms
+    during W2's drain of 100,000."""
 
     def __init__(self, app: App, state: str = "succeeded") -> None:
         self._conn = connect(app.dsn)
-        self._query = sql.SQL("SELECT count(*) FROM {}.jobs WHERE state = %s").format(
-            sql.Identifier(app.schema))
+        jobs = sql.SQL("{}.jobs").format(sql.Identifier(app.schema))
+        self._query = sql.SQL(
+            "SELECT CASE WHEN EXISTS (SELECT 1 FROM {jobs} WHERE state = 'available')"
+            "              OR EXISTS (SELECT 1 FROM {jobs} WHERE state = 'running')"
+            "              OR EXISTS (SELECT 1 FROM {jobs} WHERE state = 'scheduled')"
+            "            THEN 0 ELSE (SELECT count(*) FROM {jobs} WHERE state = %s) END"
+        ).format(jobs=jobs)
         self._state = state
 
     def __call__(self) -> int:
