@@ -149,8 +149,8 @@ class Completer:
                         self._writing = False
                     done = {o.id for o in batch}
                     self._pending = [o for o in self._pending if o.id not in done]
+                    self._leases.remove_many((o.id, o.lease_version) for o in batch)
                     for o in batch:
-                        self._leases.remove(o.id, o.lease_version)
                         self._report(o, *applied.get(o.id, (None, None)))
                     self._on_written()
                     if self._pending and len(self._pending) < LINGER_BATCH \

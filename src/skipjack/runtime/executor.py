@@ -335,9 +335,10 @@ class Executor:
         ctx = running.ctx
         fn = self._hooks.wrap(ctx.job, task.fn, running.is_async) if self._hooks.on_run \
             else task.fn
-        q = self._db.queries
-        finishing = functools.partial(self._leases.finishing, ctx.job.id, ctx.job.lease_version)
         if task.transaction == "complete":
+            q = self._db.queries
+            finishing = functools.partial(self._leases.finishing, ctx.job.id,
+                                          ctx.job.lease_version)
             if running.is_async:
                 if self._async_transactions is not None:
                     async with self._async_transactions() as aconn:

@@ -104,6 +104,15 @@ class Leases:
             if lease is not None and lease.lease_version == lease_version:
                 del self.by_id[job_id]
 
+    def remove_many(self, held: Iterable[tuple[int, int]]) -> None:
+        """``remove`` for each (job id, lease_version), under one acquisition of the lock."""
+        with self.lock:
+            by_id = self.by_id
+            for job_id, lease_version in held:
+                lease = by_id.get(job_id)
+                if lease is not None and lease.lease_version == lease_version:
+                    del by_id[job_id]
+
     def snapshot(self) -> list[Lease]:
         with self.lock:
             return [Lease(x.id, x.lease_version, x.lease, x.renewed_at, x.finishing,
