@@ -65,5 +65,6 @@ def test_quick_soak_reports_its_series_and_plot(server: Server, tmp_path: Path) 
     drawn = json.loads(out.read_text())["plot"]
     if drawn.get("skipped") is None:  # matplotlib is an extra of the tools: the plot if it is there
         assert (tmp_path / "bench-soak.png").stat().st_size > 0
+        assert drawn["files"] == [str(tmp_path / "bench-soak.png")]  # what it said it wrote
     else:
         assert "matplotlib" in drawn["skipped"]

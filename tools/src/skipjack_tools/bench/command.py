@@ -74,11 +74,11 @@ def bench(ctx: click.Context, as_json: bool, output: str | None, plot_path: str,
                  "of its own)")
     results = run_bench(settings, scenarios, peers)
     if not no_plot:
-        skipped = write_plot(results, plot_path)
+        skipped, files = write_plot(results, plot_path)
         results["plot"] = {"path": None, "skipped": skipped} if skipped else {
-            "path": plot_path}
-        console.print(f"plot skipped: {skipped}" if skipped else f"plot written to {plot_path}",
-                      markup=False)
+            "path": files[0] if files else None, "files": files}
+        console.print(f"plot skipped: {skipped}" if skipped
+                      else f"plot written to {', '.join(files)}", markup=False)
     text = json.dumps(results, indent=1, default=str)
     if output:
         with open(output, "w") as out:

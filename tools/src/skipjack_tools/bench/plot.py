@@ -77,11 +77,11 @@ def _side_figure(plt: Any, draw: Any, data: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def write_plot(results: dict[str, Any], path: str) -> str | None:
+def write_plot(results: dict[str, Any], path: str) -> tuple[str | None, list[str]]:
     """Draw the plot into ``path`` (W10's, when measured, into ``<path>-w10.png``, the hosts
-    scenario's into ``<path>-hosts.png`` and the soak's into ``<path>-soak.png``); returns
-    why it was skipped, or None when
-    written."""
+    scenario's into ``<path>-hosts.png`` and the soak's into ``<path>-soak.png``; ``path``
+    itself only when W2 or W3 ran, or nothing else did); returns why it was skipped (None
+    when drawn) and the files written."""
     try:
         import matplotlib
 
@@ -89,23 +89,27 @@ def write_plot(results: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import NullFormatter, ScalarFormatter
     except ImportError:
-        return "matplotlib is not installed (pip install './tools[bench]')"
+        return "matplotlib is not installed (pip install './tools[bench]')", []
     sj = results["skipjack"]
+    written: list[str] = []
     scaling = sj.get("w10", {}).get("by_processes", {})
     if scaling:  # a figure of its own, beside the main one: <path>-w10.png
-        _side_figure(plt, _scaling, scaling, path.removesuffix(".png") + "-w10.png")
+        written.append(path.removesuffix(".png") + "-w10.png")
+        _side_figure(plt, _scaling, scaling, written[-1])
     over_network = sj.get("hosts", {}).get("by_delay", {})
     if over_network:  # <path>-hosts.png
-        _side_figure(plt, _hosts, over_network, path.removesuffix(".png") + "-hosts.png")
+        written.append(path.removesuffix(".png") + "-hosts.png")
+        _side_figure(plt, _hosts, over_network, written[-1])
     soak = sj.get("soak", {})
     if soak.get("sizes"):
         fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
         _soak(axes, soak)
         fig.tight_layout()
-        fig.savefig(path.removesuffix(".png") + "-soak.png", dpi=110)
+        written.append(path.removesuffix(".png") + "-soak.png")
+        fig.savefig(written[-1], dpi=110)
         plt.close(fig)
     if (scaling or over_network or soak) and not sj.get("w2") and not sj.get("w3"):
-        return None
+        return None, written
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     by = sj.get("w2", {}).get("by_concurrency", {})
     if by:
@@ -146,4 +150,4 @@ def write_plot(results: dict[str, Any], path: str) -> str | None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return None
+    return None, [path, *written]
