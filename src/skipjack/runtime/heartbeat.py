@@ -99,10 +99,8 @@ class Leases:
                     lease.progress = progress
 
     def remove(self, job_id: int, lease_version: int) -> None:
-        with self.lock:
-            lease = self.by_id.get(job_id)
-            if lease is not None and lease.lease_version == lease_version:
-                del self.by_id[job_id]
+        """Let go of a job held under ``lease_version`` (not of a later claim of it)."""
+        self.remove_many(((job_id, lease_version),))
 
     def remove_many(self, held: Iterable[tuple[int, int]]) -> None:
         """``remove`` for each (job id, lease_version), under one acquisition of the lock."""
