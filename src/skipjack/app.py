@@ -15,7 +15,6 @@ from datetime import datetime, timedelta
 from typing import Any, overload
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from . import enqueue as enqueuing
 from .admin import Admin
@@ -44,6 +43,7 @@ from .jobs import (
     unique_states_mask,
 )
 from .migrate import LOCK_ATTEMPTS, LOCK_TIMEOUT, check_schema, migrate
+from .pools import AsyncHotPool, HotPool
 from .results import JobHandle, close_listener
 from .retry import Backoff
 
@@ -281,8 +281,8 @@ class App(Admin):
         self.complete_transaction = complete_transaction
         self.complete_transaction_async = complete_transaction_async
         self._lock = threading.Lock()
-        self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
-        self._apool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+        self._pool: HotPool | None = None
+        self._apool: AsyncHotPool | None = None
 
     # --- configuration -------------------------------------------------------------------
 
@@ -448,20 +448,20 @@ class App(Admin):
         """
         return await self.db.connect_async(**kwargs)
 
-    def _sync_pool(self) -> ConnectionPool[psycopg.Connection[Any]]:
+    def _sync_pool(self) -> HotPool:
         dsn = self.db.dsn  # resolved outside the pool lock: it may start the embedded server
         with self._lock:
             if self._pool is None:
-                self._pool = ConnectionPool(
+                self._pool = HotPool(
                     dsn, min_size=1, max_size=self.pool_size, open=False,
                     kwargs=self.db.connect_kwargs,
                 )
                 self._pool.open()
             return self._pool
 
-    async def _async_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+    async def _async_pool(self) -> AsyncHotPool:
         if self._apool is None:
-            pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+            pool = AsyncHotPool(
                 self.dsn, min_size=1, max_size=self.pool_size, open=False,
                 kwargs=self.db.connect_kwargs,
             )
