@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 from collections.abc import Iterator
@@ -417,6 +418,17 @@ def test_args_bytes_is_the_size_of_the_json_sent(app: App) -> None:
     sizes = [len(s.args_json.encode()) for s in specs]
     assert [stored[i] for i in ids] == [sizes[0], *sizes]
 
+
+@pytest.mark.parametrize("text", ['{"a": "x", "b": [1, 2.5, null, true], "c": {"d": {}}}',
+                                  '"é 😀 \\" \\\\ \\n"', "12345678901234567890123", "-0.5e-7",
+                                  "null", "[]", '  {"spaced" : [ 1 ,2 ] }  '])
+def test_json_and_jsonb_values_read_back_as_python_values(app: App, text: str) -> None:
+    """A skipjack connection reads jsonb (which PostgreSQL writes out again itself) and json
+    (kept as it was written, whitespace and all) as the same Python values json.loads
+    gives for the text."""
+    with app.db.connect() as conn:
+        jsonb, plain = conn.execute("SELECT %s::jsonb, %s::json", [text, text]).fetchone()
+    assert jsonb == plain == json.loads(text)
 
 def test_bulk_enqueue_stores_every_value_exactly(app: App) -> None:
     """Bulk enqueue binds each column as one array literal: quotes, backslashes, braces,

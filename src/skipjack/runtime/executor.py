@@ -413,7 +413,7 @@ class Executor:
 def _no_idle_timeout(conn: psycopg.Connection[Any]) -> None:
     """A new connection of the handlers' pool lifts the role's idle transaction timeout
     (see ``LIFT_IDLE_TIMEOUT`` in ``skipjack.sql.claim``) and reads JSON as the
-    worker's own connections do (``skipjack.db.JsonTextLoader``)."""
+    worker's own connections do (``skipjack.db.use_json_text_loader``)."""
     use_json_text_loader(conn)
     conn.execute(LIFT_IDLE_TIMEOUT)
 
