@@ -17,7 +17,7 @@ from support import Server
 SCENARIO_KEYS = {
     "ceiling": {"bare_loop", "pgbench"},
     "w1": {"single_jobs_per_s", "bulk_jobs_per_s", "bulk_calls_per_run"},
-    "raw": {"insert_each", "insert_unnest", "take_and_delete"},
+    "raw": {"insert_each", "insert_unnest", "take_and_delete", "pickup", "sleep_loops"},
     "w2": {"by_concurrency", "best_jobs_per_s", "best_concurrency", "per_job"},
     "w3": {"p50_ms", "p95_ms", "p99_ms", "max_ms", "samples"},
     "w4": {"one_process", "eight_processes", "jobs_per_s"},
@@ -42,6 +42,8 @@ def test_quick_bench_reports_every_scenario(server: Server, tmp_path: Path) -> N
         assert keys <= set(data["skipjack"][scenario]), scenario
     assert set(data["skipjack"]["w2"]["by_concurrency"]) == {"1", "10", "100"}
     assert set(data["skipjack"]["w6"]["methods"]) == {"no_lock", "for_update", "skip_locked"}
+    raw = data["skipjack"]["raw"]
+    assert raw["pickup"]["p50_ms"] > 0 and raw["sleep_loops"]["jobs_per_s"] > 0, raw
     assert data["machine"]["server"]["server_version"]
     pgbench = data["skipjack"]["ceiling"]["pgbench"]
     if "skipped" not in pgbench:  # pgbench is installed: every client count ran

@@ -4,7 +4,12 @@ plain table and the fewest statements that do each job.
 - one INSERT and its commit per call, on one connection (what W1 one-per-call is bounded by);
 - one ``INSERT ... SELECT FROM unnest(...)`` of a whole batch (W1 bulk's bound);
 - a loop on one connection that takes 100 rows ``FOR UPDATE SKIP LOCKED`` and deletes them
-  in one statement, a transaction each (W2's bound).
+  in one statement, a transaction each (W2's bound);
+- the pickup of one row: an INSERT + NOTIFY commits on one connection, a LISTEN on another
+  hears it, and a third takes the row (``FOR UPDATE SKIP LOCKED``) and deletes it, 20 ms
+  apart as W3's enqueues: from the commit's return to the take's (W3 pickup's bound);
+- 8 asyncio tasks sleeping 2 ms in a loop on the worker's event loop, with no queue at all
+  (W4's bound in one process: the sleeps alone).
 
 For the loop, and for one W2 drain, :func:`cost` also reads what each job cost: the server's
 CPU (the ``/proc`` times of its processes, when the server runs on this machine), the
@@ -13,6 +18,7 @@ client's CPU, WAL bytes and commits.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -21,7 +27,9 @@ from typing import Any
 
 import psycopg
 
-from .common import BULK_CALLS, Settings, connect, fresh_database, median, rate
+from skipjack.runtime import eventloop
+
+from .common import BULK_CALLS, Settings, connect, fresh_database, median, percentiles, rate
 
 TABLE = """
 CREATE TABLE raw_jobs (
@@ -38,6 +46,12 @@ INSERT_UNNEST = ("INSERT INTO raw_jobs (queue, args) "
 TAKE = ("SELECT id FROM raw_jobs WHERE queue = 'bench' ORDER BY run_at, id LIMIT 100 "
         "FOR UPDATE SKIP LOCKED")
 DELETE = "DELETE FROM raw_jobs WHERE id = ANY(%s::bigint[])"
+CHANNEL = "raw_jobs"
+NOTIFY = f"NOTIFY {CHANNEL}"
+TAKE_ONE = ("DELETE FROM raw_jobs WHERE id = (SELECT id FROM raw_jobs WHERE queue = 'bench' "
+            "ORDER BY run_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING id, args")
+PICKUP_GAP = 0.02  # seconds between enqueues, as in W3
+SLEEPERS, SLEEP = 8, 0.002  # W4: 8 slots, 2 ms handlers
 COUNTERS = """
 SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()),
        pg_current_wal_lsn()
@@ -158,12 +172,51 @@ def _take_and_delete(dsn: str) -> int:
             done += len(ids)
 
 
+def _pickups(dsn: str, jobs: int) -> list[float]:
+    """``jobs`` pickups of one row each (see the module's docstring): milliseconds from the
+    return of the enqueue's commit to the return of the statement that took the row."""
+    out = []
+    with connect(dsn) as sender, connect(dsn) as listener, connect(dsn) as taker:
+        listener.execute(f"LISTEN {CHANNEL}")
+        for i in range(jobs):
+            time.sleep(PICKUP_GAP)  # the servers and this process idle, as in W3
+            with sender.transaction():
+                sender.execute(INSERT_ONE, [json.dumps({"i": i})])
+                sender.execute(NOTIFY)
+            committed = time.perf_counter()
+            heard = sum(1 for _ in listener.notifies(timeout=5, stop_after=1))
+            taken = taker.execute(TAKE_ONE).fetchall()
+            if heard and taken:
+                out.append((time.perf_counter() - committed) * 1000)
+    return out
+
+
+def _sleep_loops(jobs: int) -> float | None:
+    """Jobs/s of SLEEPERS tasks that each sleep SLEEP seconds ``jobs / SLEEPERS`` times, on
+    the event loop a worker runs (``skipjack.runtime.eventloop``)."""
+    async def sleeper(times: int) -> None:
+        for _ in range(times):
+            await asyncio.sleep(SLEEP)
+
+    async def all_of_them() -> float:
+        started = time.perf_counter()
+        await asyncio.gather(*(sleeper(jobs // SLEEPERS) for _ in range(SLEEPERS)))
+        return time.perf_counter() - started
+
+    with asyncio.Runner(loop_factory=eventloop.new_event_loop) as runner:
+        return rate(jobs // SLEEPERS * SLEEPERS, runner.run(all_of_them()))
+
+
 def run(settings: Settings) -> dict[str, Any]:
-    """The three raw limits (medians of ``settings.runs``), and the loop's cost per job."""
+    """The raw limits (medians of ``settings.runs``), and the loop's cost per job."""
     single, bulk, drain = settings.n(2000), settings.n(10_000), settings.n(10_000)
+    picked, slept = settings.n(200, minimum=20), settings.n(2000, minimum=SLEEPERS)
     out: dict[str, Any] = {"insert_each": {"jobs": single}, "insert_unnest": {"jobs": bulk},
-                           "take_and_delete": {"jobs": drain, "batch": 100}}
-    each, unnest, loop, costs = [], [], [], []
+                           "take_and_delete": {"jobs": drain, "batch": 100},
+                           "pickup": {"jobs": picked, "gap_s": PICKUP_GAP},
+                           "sleep_loops": {"jobs": slept, "tasks": SLEEPERS,
+                                           "sleep_s": SLEEP}}
+    each, unnest, loop, costs, pickups, sleeps = [], [], [], [], [], []
     for _ in range(settings.runs):
         with fresh_database(settings.dsn, "raw") as dsn:
             with connect(dsn) as conn:
@@ -187,9 +240,18 @@ def run(settings: Settings) -> dict[str, Any]:
 
             costs.append(cost(dsn, drain, timed, settle=settle_for(settings)))
             loop.append(rate(drain, span[0]))
+            settings.log(f"raw limits: {picked} pickups of one row, {slept} sleeps of "
+                         f"{SLEEP * 1000:g} ms in {SLEEPERS} tasks")
+            with connect(dsn) as conn:
+                conn.execute("TRUNCATE raw_jobs")
+            pickups.append(percentiles(_pickups(dsn, picked)))
+            sleeps.append(_sleep_loops(slept))
     out["insert_each"]["jobs_per_s"] = median(each)
     out["insert_unnest"]["jobs_per_s"] = median(unnest)
     out["take_and_delete"]["jobs_per_s"] = median(loop)
     out["take_and_delete"]["per_job"] = {
         key: median([c[key] for c in costs]) for key in costs[0]}
+    out["pickup"].update({f"{key}_ms": median([p[key] for p in pickups])
+                          for key in pickups[0]})
+    out["sleep_loops"]["jobs_per_s"] = median(sleeps)
     return out
