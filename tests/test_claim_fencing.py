@@ -137,6 +137,33 @@ def test_a_batch_of_outcomes_writes_the_current_leases_only(app: App, count: int
     assert {i: row(app, i)["state"] for i in stale} == {i: "running" for i in stale}
 
 
+@pytest.mark.parametrize("count", [4, FEW_OUTCOMES + 4])
+def test_a_batch_of_successes_and_immediate_retries_records_each_as_sent(app: App,
+                                                                          count: int) -> None:
+    """A plain success is sent with only its id, fencing token and kind; in the same batch a
+    retry and a release with no delay (and a success with a result) keep their own values:
+    runnable at once, the release's attempt given back, the result stored."""
+    t = _task(app)
+    ids = app.enqueue_many([t.configure(max_attempts=5).job() for _ in range(count)])
+    claimed = {r[0]: int(r[7]) for r in claim(app, limit=count)}
+    kinds = ["complete", "retry", "release", "complete"] * (count // 4)
+    batch = [Outcome(i, claimed[i], "", kind, 0.0, '{"n": 1}' if n == 3 else None)
+             for n, (i, kind) in enumerate(zip(ids, kinds, strict=True))]
+    with app.connect() as conn:
+        started = conn.execute("SELECT statement_timestamp()").fetchone()[0]  # type: ignore[index]
+        written = conn.execute(app.queries.record_outcomes(len(batch)),
+                               outcome_params(batch)).fetchall()
+    assert sorted(r[0] for r in written) == sorted(ids)
+    for n, (i, kind) in enumerate(zip(ids, kinds, strict=True)):
+        r = row(app, i)
+        if kind == "complete":
+            assert r["state"] == "succeeded" and r["attempt"] == 1
+            assert r["result"] == ({"n": 1} if n == 3 else None)
+        else:  # runnable now: run_at set to the write's time, not left null
+            assert r["state"] == "available" and r["run_at"] >= started
+            assert r["attempt"] == (1 if kind == "retry" else 0)
+
+
 @pytest.mark.parametrize("kind", ["complete", "retry", "discard", "release"])
 def test_claim_undone_by_a_crash_does_not_hand_its_token_out_again(app: App, kind: str) -> None:
     """Claims commit without waiting for their WAL flush, so a server crash can undo one: the

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 # One statement records a batch of outcomes, given as one JSON array of objects (see
 # skipjack.outcome.outcome_params): one text value binds and parses far faster than six
-# arrays.
+# arrays. A key an object leaves out is read as null: a plain success sends only id,
+# lease_version and kind, and delay is read only for a retry or a release.
 # kind is one of
 #   'complete' -> succeeded;
 #   'retry'    -> runnable again after `delay` seconds, or discarded if attempts are used up;
