@@ -182,6 +182,24 @@ def repeat(runs: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def merge_rounds(rounds: Sequence[Any]) -> Any:
+    """One result from the results of the same scenario in several rounds (see
+    ``runner.run_bench``): numbers become the median of the rounds' (None where none has
+    one; the same number in every round stays as it is), a ``runs`` list joins the rounds' lists, a dict is merged key by key, anything else
+    is the last round's. A round that failed (a dict with ``error``) is left out, unless
+    every round did."""
+    good = [r for r in rounds if not (isinstance(r, dict) and "error" in r)] or list(rounds)
+    if all(isinstance(r, dict) for r in good):
+        keys = list(dict.fromkeys(k for r in good for k in r))
+        return {k: ([x for r in good for x in r.get(k, [])] if k == "runs"
+                    else merge_rounds([r[k] for r in good if k in r])) for k in keys}
+    numbers = [r for r in good if r is None or
+               (isinstance(r, int | float) and not isinstance(r, bool))]
+    if len(numbers) == len(good) and len(set(numbers)) > 1:  # equal ones (sizes) as they are
+        return median(numbers)
+    return good[-1]
+
+
 def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.05,
              what: str = "condition") -> None:
     """Poll ``condition`` until true; raise TimeoutError after ``timeout`` seconds."""

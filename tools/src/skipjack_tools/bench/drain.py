@@ -64,9 +64,7 @@ def w2(settings: Settings, concurrencies: tuple[int, ...] = (1, 10, 100)) -> dic
         settings.log(f"W2 drain: {jobs} jobs, concurrency {c}")
         out["by_concurrency"][str(c)] = repeat(
             settings.runs, functools.partial(_drain_once, settings, jobs, c))
-    best = max(concurrencies, key=lambda c: out["by_concurrency"][str(c)]["jobs_per_s"] or 0)
-    out["best_concurrency"] = best
-    out["best_jobs_per_s"] = out["by_concurrency"][str(best)]["jobs_per_s"]
+    best = choose_best(out)
     settings.log(f"W2 drain: {jobs} jobs, concurrency {best}, measuring the cost per job")
     out["per_job"] = _drain_cost(settings, jobs, best)
     if not settings.quick:
@@ -74,6 +72,16 @@ def w2(settings: Settings, concurrencies: tuple[int, ...] = (1, 10, 100)) -> dic
         settings.log(f"W2 drain: {big} jobs, concurrency {best}")
         out["large"] = {"jobs": big, "concurrency": best, **_drain_once(settings, big, best)}
     return out
+
+
+def choose_best(w2: dict[str, Any]) -> int:
+    """Set ``w2``'s best concurrency (the highest jobs/s of ``by_concurrency``) and its
+    jobs/s; returns that concurrency."""
+    by = w2["by_concurrency"]
+    best = max(by, key=lambda c: by[c].get("jobs_per_s") or 0)
+    w2["best_concurrency"] = int(best)
+    w2["best_jobs_per_s"] = by[best].get("jobs_per_s")
+    return int(best)
 
 
 def _two_ms_once(settings: Settings, jobs: int, processes: int) -> dict[str, Any]:

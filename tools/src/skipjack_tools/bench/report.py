@@ -169,7 +169,7 @@ def print_report(results: dict[str, Any], console: Console) -> None:
     sj = results["skipjack"]
     peers = results.get("peers", {})
     table = Table(title="skipjack bench: medians of "
-                        f"{results['settings']['runs']} run(s), same server, same run")
+                        f"{results['settings']['runs']} interleaved round(s), same server")
     table.add_column("scenario")
     table.add_column("skipjack", justify="right")
     for name in peers:

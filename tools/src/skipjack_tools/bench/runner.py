@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import os
 import platform
@@ -25,12 +26,15 @@ from . import (
     scaling,
     soak,
 )
-from .common import BULK_CALLS, Settings, connect, server_answers, settle
+from .common import BULK_CALLS, Settings, connect, merge_rounds, server_answers, settle
 from .peers.runner import PEERS, run_peer
 from .report import dig, ratios, targets
 
 SCENARIOS = ("ceiling", "raw", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "w10",
              "hosts", "memory", "dashboard")
+# Run in rounds with the peers' W1-W4 (see run_bench): what is compared with a peer or with
+# the database's limits.
+ROUNDS = ("ceiling", "raw", "w1", "w2", "w3", "w4")
 # Run only when named in --only: the soak takes 20 minutes at scale 1.
 OPTIONAL = ("soak",)
 
@@ -54,35 +58,61 @@ def machine(settings: Settings) -> dict[str, Any]:
 
 def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
               compare: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Run skipjack's scenarios (``only``), then W1-W4 for each peer in ``compare``."""
+    """Run skipjack's scenarios (``only``) and W1-W4 for each peer in ``compare``.
+
+    The scenarios of ``ROUNDS`` and the peers' W1-W4 run in ``settings.runs`` rounds, one run
+    of each a round, skipjack's then each peer's, and report the medians over the rounds: a
+    machine that slows down or speeds up during the run (its neighbours, its own
+    background work) then weighs on every library and limit alike, instead of on whichever
+    ran last. The other scenarios run after them, once each."""
     started = time.monotonic()
     host = machine(settings)
     sj: dict[str, Any] = {}
-    steps = {
-        "ceiling": lambda: ceiling.run(settings),
-        "raw": lambda: raw.run(settings),
-        "w1": lambda: enqueue.run(settings),
-        "w2": lambda: drain.w2(settings),
-        "w3": lambda: latency.w3(settings),
-        "w4": lambda: drain.w4(settings),
-        "w9": lambda: latency.w9(settings),
-        "w10": lambda: scaling.w10(settings),
-        "hosts": lambda: hosts_scaling.run(settings),
-        "w5": lambda: latency.w5(settings, *_w5_inputs(sj)),
-        "w6": lambda: claim_methods.run(settings),
-        "w7": lambda: retry_storm.run(settings),
-        "w8": lambda: history.run(settings),
-        "memory": lambda: drain.memory(settings),
-        "dashboard": lambda: dashboard.run(settings),
-        "soak": lambda: soak.run(settings, dig(sj, ("w2", "by_concurrency", "10",
-                                                     "jobs_per_s"))),
+    steps: dict[str, Callable[[Settings], dict[str, Any]]] = {
+        "ceiling": ceiling.run,
+        "raw": raw.run,
+        "w1": enqueue.run,
+        "w2": drain.w2,
+        "w3": latency.w3,
+        "w4": drain.w4,
+        "w9": latency.w9,
+        "w10": scaling.w10,
+        "hosts": hosts_scaling.run,
+        "w5": lambda s: latency.w5(s, *_w5_inputs(sj)),
+        "w6": claim_methods.run,
+        "w7": retry_storm.run,
+        "w8": history.run,
+        "memory": drain.memory,
+        "dashboard": dashboard.run,
+        "soak": lambda s: soak.run(s, dig(sj, ("w2", "by_concurrency", "10", "jobs_per_s"))),
     }
+
+    def timed(name: str, with_settings: Settings) -> dict[str, Any]:
+        settle(settings.dsn)
+        t0 = time.monotonic()
+        result = _attempt(settings, name, lambda: steps[name](with_settings))
+        result["elapsed_s"] = round(time.monotonic() - t0, 1)
+        return result
+
+    one = dataclasses.replace(settings, runs=1)
+    sizes = peer_sizes(settings)
+    measured: dict[str, list[dict[str, Any]]] = {n: [] for n in ROUNDS if n in only}
+    peer_rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in compare}
+    for number in range(settings.runs):
+        if settings.runs > 1:
+            settings.log(f"round {number + 1} of {settings.runs}")
+        for name, rounds in measured.items():
+            rounds.append(timed(name, one))
+        for name, rounds in peer_rounds.items():
+            rounds.append(run_peer(one, name, sizes))
+    for name, rounds in measured.items():
+        sj[name] = merge_rounds(rounds)
+        sj[name]["elapsed_s"] = round(sum(r["elapsed_s"] for r in rounds), 1)
+        if name == "w2" and "by_concurrency" in sj[name]:
+            drain.choose_best(sj[name])
     for name in SCENARIOS + OPTIONAL:
-        if name in only:
-            settle(settings.dsn)
-            t0 = time.monotonic()
-            sj[name] = _attempt(settings, name, steps[name])
-            sj[name]["elapsed_s"] = round(time.monotonic() - t0, 1)
+        if name in only and name not in ROUNDS:
+            sj[name] = timed(name, settings)
     results: dict[str, Any] = {
         "skipjack_version": importlib.metadata.version("skipjack"),
         "settings": {"scale": settings.scale, "runs": settings.runs, "quick": settings.quick,
@@ -91,11 +121,8 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
                      "compare": list(compare)},
         "machine": host,
         "skipjack": sj,
-        "peers": {},
+        "peers": {name: merge_rounds(rounds) for name, rounds in peer_rounds.items()},
     }
-    sizes = peer_sizes(settings)
-    for name in compare:
-        results["peers"][name] = run_peer(settings, name, sizes)
     results["ratios"] = ratios(results)
     results["targets"] = targets(results)
     results["elapsed_s"] = round(time.monotonic() - started, 1)
