@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from skipjack_tools.bench.common import merge_rounds
 from skipjack_tools.bench.drain import choose_best
+from skipjack_tools.bench.runner import merge_peer_rounds
 
 
 def test_numbers_are_medians_runs_are_joined_and_the_rest_is_the_last_rounds() -> None:
@@ -33,3 +34,15 @@ def test_w2s_best_concurrency_is_chosen_again_from_the_merged_medians() -> None:
                        {"by_concurrency": {"10": {"jobs_per_s": 110}, "100": {"jobs_per_s": 80}}}])
     assert choose_best(w2) == 10
     assert (w2["best_concurrency"], w2["best_jobs_per_s"]) == (10, 100.0)
+
+
+def test_a_peers_scenarios_from_every_round_make_one_result() -> None:
+    parts = [{"version": "1.6.0", "w1": {"single_jobs_per_s": 10.0, "runs": [{"s": 10.0}]}},
+             {"version": "1.6.0", "w2": {"jobs_per_s": 5.0, "runs": [{"j": 5.0}]}},
+             {"version": "1.6.0", "w1": {"single_jobs_per_s": 30.0, "runs": [{"s": 30.0}]}},
+             {"error": "the server went away"}]
+    assert merge_peer_rounds(parts) == {
+        "version": "1.6.0",
+        "w1": {"single_jobs_per_s": 20.0, "runs": [{"s": 10.0}, {"s": 30.0}]},
+        "w2": {"jobs_per_s": 5.0, "runs": [{"j": 5.0}]}}
+    assert merge_peer_rounds([{"error": "pip install failed"}]) == {"error": "pip install failed"}

@@ -185,9 +185,9 @@ def repeat(runs: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 def merge_rounds(rounds: Sequence[Any]) -> Any:
     """One result from the results of the same scenario in several rounds (see
     ``runner.run_bench``): numbers become the median of the rounds' (None where none has
-    one; the same number in every round stays as it is), a ``runs`` list joins the rounds' lists, a dict is merged key by key, anything else
-    is the last round's. A round that failed (a dict with ``error``) is left out, unless
-    every round did."""
+    one; the same number in every round stays as it is), a ``runs`` list joins the rounds'
+    lists, a dict is merged key by key, anything else is the last round's. A round that
+    failed (a dict with ``error``) is left out, unless every round did."""
     good = [r for r in rounds if not (isinstance(r, dict) and "error" in r)] or list(rounds)
     if all(isinstance(r, dict) for r in good):
         keys = list(dict.fromkeys(k for r in good for k in r))

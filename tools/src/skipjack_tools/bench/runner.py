@@ -61,10 +61,11 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
     """Run skipjack's scenarios (``only``) and W1-W4 for each peer in ``compare``.
 
     The scenarios of ``ROUNDS`` and the peers' W1-W4 run in ``settings.runs`` rounds, one run
-    of each a round, skipjack's then each peer's, and report the medians over the rounds: a
-    machine that slows down or speeds up during the run (its neighbours, its own
-    background work) then weighs on every library and limit alike, instead of on whichever
-    ran last. The other scenarios run after them, once each."""
+    of each a round, each of skipjack's followed by the same scenario of each peer, and
+    report the medians over the rounds: a machine that slows down or speeds up during the
+    run (its neighbours, its own background work) then weighs on every library and limit
+    alike, instead of on whichever ran last. The other scenarios run after them, once
+    each."""
     started = time.monotonic()
     host = machine(settings)
     sj: dict[str, Any] = {}
@@ -97,14 +98,21 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
     one = dataclasses.replace(settings, runs=1)
     sizes = peer_sizes(settings)
     measured: dict[str, list[dict[str, Any]]] = {n: [] for n in ROUNDS if n in only}
-    peer_rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in compare}
+    # peer -> scenario -> its result in each round
+    peer_rounds: dict[str, dict[str, list[dict[str, Any]]]] = {
+        p: {n: [] for n in sizes} for p in compare}
     for number in range(settings.runs):
         if settings.runs > 1:
             settings.log(f"round {number + 1} of {settings.runs}")
         for name, rounds in measured.items():
             rounds.append(timed(name, one))
-        for name, rounds in peer_rounds.items():
-            rounds.append(run_peer(one, name, sizes))
+            for peer, by_scenario in peer_rounds.items():  # the same scenario, right after
+                if name in by_scenario:
+                    by_scenario[name].append(run_peer(one, peer, {name: sizes[name]}))
+        for peer, by_scenario in peer_rounds.items():  # those skipjack did not run
+            for name in by_scenario:
+                if name not in measured:
+                    by_scenario[name].append(run_peer(one, peer, {name: sizes[name]}))
     for name, rounds in measured.items():
         sj[name] = merge_rounds(rounds)
         sj[name]["elapsed_s"] = round(sum(r["elapsed_s"] for r in rounds), 1)
@@ -121,12 +129,26 @@ def run_bench(settings: Settings, only: tuple[str, ...] = SCENARIOS,
                      "compare": list(compare)},
         "machine": host,
         "skipjack": sj,
-        "peers": {name: merge_rounds(rounds) for name, rounds in peer_rounds.items()},
+        "peers": {peer: merge_peer_rounds([r for rounds in by_scenario.values() for r in rounds])
+                  for peer, by_scenario in peer_rounds.items()},
     }
     results["ratios"] = ratios(results)
     results["targets"] = targets(results)
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     return results
+
+
+def merge_peer_rounds(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One peer's result from its runs of one scenario each (``run_peer`` of one scenario, in
+    every round): its version, and each scenario merged over the rounds; an error that
+    stopped every run (the peer could not be installed) as it is."""
+    ran = [p for p in parts if "error" not in p]
+    if not ran:
+        return parts[0] if parts else {"error": "not run"}
+    out: dict[str, Any] = {"version": ran[-1].get("version")}
+    for name in dict.fromkeys(k for p in ran for k in p if k != "version"):
+        out[name] = merge_rounds([p[name] for p in ran if name in p])
+    return out
 
 
 def _attempt(settings: Settings, name: str, step: Callable[[], dict[str, Any]]
