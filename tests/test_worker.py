@@ -189,7 +189,7 @@ def _three_claimed(app: App) -> tuple[list[int], dict[int, Job]]:
     with app.connect() as conn:
         rows = conn.execute(app.queries.CLAIM, claim_params(
             "q", 3, lease=30.0, worker="w", inline_bytes=1 << 20)).fetchall()
-    return ids, {row[0]: Job(*row) for row in rows}
+    return ids, {row[0]: Job.from_row(row) for row in rows}
 
 
 def test_an_outcome_the_database_refuses_is_recorded_without_the_rest_waiting(
@@ -879,3 +879,20 @@ def test_the_default_prefetch_claims_short_jobs_in_batches_and_long_ones_per_slo
     worker = Worker(app, ["q"], concurrency=2, poll_interval=0.2)
     _run_worker_until(worker, lambda: states(app.dsn, app.schema) == {"succeeded": 6})
     assert max(_claim_sizes(app)) <= 2 and worker.gauges()["prefetch"] == 0
+
+
+def test_a_buffer_of_handlers_that_never_wait_runs_one_after_another(app: App) -> None:
+    """Handlers that never wait end as their task starts (an eager task, Python 3.12+), each
+    starting the next buffered job as its slot frees: 3,000 such jobs on one slot, claimed
+    1,000 at a time, run in a loop, not in a recursion as deep as the buffer; the ones that
+    raise at once are recorded as failed like any other."""
+    @app.task(name="at_once", queue="q", max_attempts=1)
+    async def at_once(i: int) -> None:
+        if i % 2:
+            raise ValueError("odd")
+
+    app.enqueue_many(at_once.job(i=i) for i in range(3000))
+    worker = Worker(app, ["q"], concurrency=1, prefetch=2000, poll_interval=0.2)
+    _run_worker_until(worker, lambda: states(app.dsn, app.schema)
+                      == {"succeeded": 1500, "discarded": 1500})
+    assert max(_claim_sizes(app)) == 1000

@@ -24,8 +24,9 @@ import dataclasses
 import functools
 import inspect
 import logging
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
@@ -50,6 +51,21 @@ from .slots import Running, Slots
 log = logging.getLogger("skipjack.worker")
 
 UNKNOWN_WARN_EVERY = 60.0  # seconds between warnings about one unknown task
+
+
+if sys.version_info >= (3, 12):
+    def _start_task(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """A task for ``coro`` that runs at once, up to its first wait, instead of at the
+        event loop's next turn (an eager task): a handler that never waits (a no-op, a
+        quick computation) ends within this call, with no turn of the loop of its own. In
+        a drain of no-op jobs (W2 of ``skipjack bench``) the worker's CPU went from 28-29
+        to 21-22 us a job."""
+        return asyncio.Task(coro, loop=asyncio.get_running_loop(), eager_start=True)
+else:
+    def _start_task(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """A task for ``coro`` (Python 3.11 has no eager tasks: it starts at the loop's
+        next turn)."""
+        return asyncio.get_running_loop().create_task(coro)
 
 
 def _boxed(fn: Callable[[], Any]) -> tuple[bool, Any]:
@@ -113,6 +129,7 @@ class Executor:
         self._unknown_task_grace = unknown_task_grace
         self._transactions = transactions
         self._async_transactions = async_transactions
+        self._filling = False
         self._unknown_warned: dict[str, float] = {}  # task name -> when it was last logged
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="skipjack-job")
         self._large_args = asyncio.Semaphore(large_args_concurrency)
@@ -182,11 +199,22 @@ class Executor:
         self._leases.add_jobs(jobs)
 
     def fill(self) -> None:
-        """Start buffered jobs while slots are free (first claimed, first started)."""
+        """Start buffered jobs while slots are free (first claimed, first started).
+
+        A job whose handler never waits ends within ``_start`` (see ``_start_task``) and
+        calls ``fill`` again as it frees its slot: that inner call returns at once and this
+        loop starts the next job, so a buffer of no-op jobs runs in a loop, not a recursion
+        as deep as the buffer."""
+        if self._filling:
+            return
         slots = self._slots
-        while slots.ready and slots.has_free_slot() and not self._stopping.is_set():
-            job_id = next(iter(slots.ready))
-            self._start(slots.ready.pop(job_id))
+        self._filling = True
+        try:
+            while slots.ready and slots.has_free_slot() and not self._stopping.is_set():
+                job_id = next(iter(slots.ready))
+                self._start(slots.ready.pop(job_id))
+        finally:
+            self._filling = False
 
     def _start(self, job: Job) -> None:
         task = self._tasks.get(job.task)
@@ -194,7 +222,7 @@ class Executor:
         ctx.on_progress = self._leases.report
         running = Running(job, ctx, is_async=task is not None and task.is_async)
         self._slots.running[job.id] = running
-        running.task = asyncio.get_running_loop().create_task(self._execute(running))
+        running.task = _start_task(self._execute(running))
 
     # --- taking jobs from their handlers -------------------------------------------------
 

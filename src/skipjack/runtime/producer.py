@@ -31,6 +31,7 @@ import psycopg
 from ..context import Job
 from ..db import Database, ReconnectDelay, close_quietly, connection_lost
 from ..sql.arrays import number_array
+from ..sql.claim import in_claim_order
 from .claim_mode import ClaimModeRunners, ClaimParams
 from .completer import Completer
 from .executor import Executor
@@ -171,7 +172,7 @@ class Producer:
                         self.due[queue] = False
                         if queue in self._limited:  # a limit may lift soon (rate window)
                             loop.call_later(0.5, self.mark_due, queue)
-                    self._executor.buffer([Job.from_row(row) for row in rows])
+                    self._executor.buffer([Job.from_row(r) for r in in_claim_order(rows)])
                     self._executor.fill()
                 free = self._slots.room(len(self._completer))
                 if (free > 0 and any(self.due.values())) or self._stopping.is_set():
