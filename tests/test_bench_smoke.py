@@ -44,6 +44,8 @@ def test_quick_bench_reports_every_scenario(server: Server, tmp_path: Path) -> N
     assert set(data["skipjack"]["w6"]["methods"]) == {"no_lock", "for_update", "skip_locked"}
     raw = data["skipjack"]["raw"]
     assert raw["pickup"]["p50_ms"] > 0 and raw["sleep_loops"]["jobs_per_s"] > 0, raw
+    # the bare enqueue + pickup runs from before the INSERT: never shorter than the pickup
+    assert raw["pickup"]["total_p50_ms"] >= raw["pickup"]["p50_ms"], raw["pickup"]
     assert data["machine"]["server"]["server_version"]
     pgbench = data["skipjack"]["ceiling"]["pgbench"]
     if "skipped" not in pgbench:  # pgbench is installed: every client count ran

@@ -5,9 +5,11 @@ plain table and the fewest statements that do each job.
 - one ``INSERT ... SELECT FROM unnest(...)`` of a whole batch (W1 bulk's bound);
 - a loop on one connection that takes 100 rows ``FOR UPDATE SKIP LOCKED`` and deletes them
   in one statement, a transaction each (W2's bound);
-- the pickup of one row: an INSERT + NOTIFY commits on one connection, a LISTEN on another
+- the pickup of one row: an INSERT and its NOTIFY commit in one statement on one connection
+  (before run Q: BEGIN, INSERT, NOTIFY and COMMIT, four round trips), a LISTEN on another
   hears it, and a third takes the row (``FOR UPDATE SKIP LOCKED``) and deletes it, 20 ms
-  apart as W3's enqueues: from the commit's return to the take's (W3 pickup's bound);
+  apart as W3's enqueues: from the commit's return to the take's (W3 pickup's bound), and
+  from the moment before the INSERT to the take's return (W3's latency's bound);
 - 8 asyncio tasks sleeping 2 ms in a loop on the worker's event loop, with no queue at all
   (W4's bound in one process: the sleeps alone).
 
@@ -47,7 +49,10 @@ TAKE = ("SELECT id FROM raw_jobs WHERE queue = 'bench' ORDER BY run_at, id LIMIT
         "FOR UPDATE SKIP LOCKED")
 DELETE = "DELETE FROM raw_jobs WHERE id = ANY(%s::bigint[])"
 CHANNEL = "raw_jobs"
-NOTIFY = f"NOTIFY {CHANNEL}"
+# One row and its notification in one statement, one round trip and commit (as skipjack's
+# own enqueue statement sends its wake-up)
+INSERT_NOTIFY = ("WITH i AS (INSERT INTO raw_jobs (queue, args) VALUES ('bench', %s::jsonb) "
+                 f"RETURNING id) SELECT pg_notify('{CHANNEL}', '') FROM i")
 TAKE_ONE = ("DELETE FROM raw_jobs WHERE id = (SELECT id FROM raw_jobs WHERE queue = 'bench' "
             "ORDER BY run_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING id, args")
 PICKUP_GAP = 0.02  # seconds between enqueues, as in W3
@@ -172,23 +177,26 @@ def _take_and_delete(dsn: str) -> int:
             done += len(ids)
 
 
-def _pickups(dsn: str, jobs: int) -> list[float]:
-    """``jobs`` pickups of one row each (see the module's docstring): milliseconds from the
-    return of the enqueue's commit to the return of the statement that took the row."""
-    out = []
+def _pickups(dsn: str, jobs: int) -> tuple[list[float], list[float]]:
+    """``jobs`` pickups of one row each (see the module's docstring), in milliseconds: (from
+    the return of the enqueue's commit to the return of the statement that took the row,
+    from the moment before the enqueue's INSERT to that return). The second is W3's own
+    measure (enqueue to start) with no queue: the floor of W3's latency on this machine."""
+    pickups, totals = [], []
     with connect(dsn) as sender, connect(dsn) as listener, connect(dsn) as taker:
         listener.execute(f"LISTEN {CHANNEL}")
         for i in range(jobs):
             time.sleep(PICKUP_GAP)  # the servers and this process idle, as in W3
-            with sender.transaction():
-                sender.execute(INSERT_ONE, [json.dumps({"i": i})])
-                sender.execute(NOTIFY)
+            started = time.perf_counter()
+            sender.execute(INSERT_NOTIFY, [json.dumps({"i": i})])
             committed = time.perf_counter()
             heard = sum(1 for _ in listener.notifies(timeout=5, stop_after=1))
             taken = taker.execute(TAKE_ONE).fetchall()
             if heard and taken:
-                out.append((time.perf_counter() - committed) * 1000)
-    return out
+                done = time.perf_counter()
+                pickups.append((done - committed) * 1000)
+                totals.append((done - started) * 1000)
+    return pickups, totals
 
 
 def _sleep_loops(jobs: int) -> float | None:
@@ -244,7 +252,9 @@ def run(settings: Settings) -> dict[str, Any]:
                          f"{SLEEP * 1000:g} ms in {SLEEPERS} tasks")
             with connect(dsn) as conn:
                 conn.execute("TRUNCATE raw_jobs")
-            pickups.append(percentiles(_pickups(dsn, picked)))
+            picks, totals = _pickups(dsn, picked)
+            pickups.append({**percentiles(picks),
+                            **{f"total_{k}": v for k, v in percentiles(totals).items()}})
             sleeps.append(_sleep_loops(slept))
     out["insert_each"]["jobs_per_s"] = median(each)
     out["insert_unnest"]["jobs_per_s"] = median(unnest)
