@@ -51,6 +51,14 @@ from .slots import Running, Slots
 log = logging.getLogger("skipjack.worker")
 
 UNKNOWN_WARN_EVERY = 60.0  # seconds between warnings about one unknown task
+# The most jobs Executor.fill starts in one turn of the event loop. Handlers that never wait
+# end as they start (eager tasks), so a fill could run a whole buffer of 1,000 no-op jobs
+# before the loop turned: the next claim and the outcome writes then waited for it, and the
+# worker, its claims' backend and its outcomes' backend took turns instead of running side
+# by side. W2 at concurrency 10, 30,000 jobs, four interleaved pairs: 30,000-32,014 jobs/s
+# without the limit, 35,408-37,257 with it (at 1 a turn, as without eager tasks: 24,432-
+# 27,404 at concurrency 1; 16, 32 and 64 all gave 34,000-38,000 at concurrency 1, 10, 100).
+FILL_TURN = 32
 
 
 if sys.version_info >= (3, 12):
@@ -130,6 +138,7 @@ class Executor:
         self._transactions = transactions
         self._async_transactions = async_transactions
         self._filling = False
+        self._fill_soon = False  # a fill is scheduled for the loop's next turn
         self._unknown_warned: dict[str, float] = {}  # task name -> when it was last logged
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="skipjack-job")
         self._large_args = asyncio.Semaphore(large_args_concurrency)
@@ -204,17 +213,28 @@ class Executor:
         A job whose handler never waits ends within ``_start`` (see ``_start_task``) and
         calls ``fill`` again as it frees its slot: that inner call returns at once and this
         loop starts the next job, so a buffer of no-op jobs runs in a loop, not a recursion
-        as deep as the buffer."""
+        as deep as the buffer. After FILL_TURN starts the loop lets the event loop turn and
+        goes on at its next turn, so that the next claim and the outcome writes go out while
+        the buffer runs rather than after it."""
         if self._filling:
             return
         slots = self._slots
         self._filling = True
         try:
-            while slots.ready and slots.has_free_slot() and not self._stopping.is_set():
+            for _ in range(FILL_TURN):
+                if not slots.ready or not slots.has_free_slot() or self._stopping.is_set():
+                    return
                 job_id = next(iter(slots.ready))
                 self._start(slots.ready.pop(job_id))
+            if slots.ready and slots.has_free_slot() and not self._fill_soon:
+                self._fill_soon = True
+                asyncio.get_running_loop().call_soon(self._fill_later)
         finally:
             self._filling = False
+
+    def _fill_later(self) -> None:
+        self._fill_soon = False
+        self.fill()
 
     def _start(self, job: Job) -> None:
         task = self._tasks.get(job.task)
