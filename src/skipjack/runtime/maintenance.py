@@ -341,6 +341,11 @@ def _version() -> str:
         return "unknown"
 
 
+# Seconds until the pruner runs again after it caught up with full batches (see the pruner
+# in Maintenance): a queue busy enough to fill a batch is pruned every second.
+PRUNE_BUSY_INTERVAL = 1.0
+
+
 @dataclass
 class Duty:
     """One periodic task of the maintenance thread."""
@@ -350,8 +355,8 @@ class Duty:
     run: Callable[[psycopg.Connection[Any]], object]
     next_at: float = 0.0
     # run returns the seconds until it is needed again (or None), which may bring its next
-    # run forward (the stager: the next scheduled job's due time; the pruner: at once
-    # while it finds full batches)
+    # run forward (the stager: the next scheduled job's due time; the pruner: soon while it
+    # finds full batches)
     adaptive: bool = False  # the stager: stage_at() may also bring its run forward
 
 
@@ -411,13 +416,22 @@ class Maintenance(threading.Thread):
         if cron is not None:
             self._duties.append(Duty("cron", 1.0, cron))
         if retention is not None:
+            busy = False
+
             def pruner(conn: psycopg.Connection[Any]) -> float | None:
+                # A full batch: more are past their retention; delete them now, one batch
+                # per turn of this thread, so a busy queue's table stops growing (one batch
+                # per interval pruned at most 100 jobs/s). Once it has caught up it comes
+                # back in PRUNE_BUSY_INTERVAL instead of its interval, so a busy queue is
+                # pruned a second's jobs at a time rather than in a burst every 10 s.
+                nonlocal busy
                 deleted = prune(conn, q, retention=retention,
                                 discarded_retention=discarded_retention)
-                # a full batch: more are past their retention; delete them now, one batch
-                # per turn of this thread, so a busy queue's table stops growing (one
-                # batch per interval pruned at most 100 jobs/s)
-                return 0.0 if deleted >= BATCH else None
+                if deleted >= BATCH:
+                    busy = True
+                    return 0.0
+                caught_up, busy = busy, False
+                return PRUNE_BUSY_INTERVAL if caught_up else None
 
             self._duties.append(Duty("pruner", 10.0, pruner))
         now = time.monotonic()
