@@ -16,7 +16,7 @@ from support import Server
 
 SCENARIO_KEYS = {
     "ceiling": {"bare_loop", "pgbench"},
-    "w1": {"single_jobs_per_s", "bulk_jobs_per_s", "bulk_calls_per_run"},
+    "w1": {"single_jobs_per_s", "statement_jobs_per_s", "bulk_jobs_per_s", "bulk_calls_per_run"},
     "raw": {"insert_each", "insert_unnest", "take_and_delete", "pickup", "sleep_loops"},
     "w2": {"by_concurrency", "best_jobs_per_s", "best_concurrency", "per_job"},
     "w3": {"p50_ms", "p95_ms", "p99_ms", "max_ms", "samples"},

@@ -116,6 +116,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for name, ours, limit, goal, higher in (
             ("W1 one per call / bare INSERT + commit", ("w1", "single_jobs_per_s"),
              ("raw", "insert_each", "jobs_per_s"), 0.75, True),
+            ("W1 one per call / its statement alone, on a held connection",
+             ("w1", "single_jobs_per_s"), ("w1", "statement_jobs_per_s"), None, True),
+            ("W1's statement alone / bare INSERT + commit", ("w1", "statement_jobs_per_s"),
+             ("raw", "insert_each", "jobs_per_s"), None, True),
             ("W1 bulk / one INSERT ... unnest", ("w1", "bulk_jobs_per_s"),
              ("raw", "insert_unnest", "jobs_per_s"), None, True),
             ("W2 drain / bare claim 100 + DELETE loop", ("w2", "best_jobs_per_s"),
