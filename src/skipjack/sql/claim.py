@@ -102,7 +102,7 @@ def _oldest_candidates(queue_filter: str, limit: str) -> str:
 
 def by_id(jobs: str) -> str:
     """The ids of the jobs that the subquery ``jobs`` selects (see ``candidates``), through
-    an array, each with its place ``n`` in the subquery's order, for ``claim_jobs``.
+    an array, each with its ``place`` in the subquery's order, for ``claim_jobs``.
 
     Joined to the jobs table directly, the subquery's LIMIT (a bind value) is unknown to the
     planner, which takes a tenth of the table's rows for it: once the table was analysed it
@@ -111,13 +111,13 @@ def by_id(jobs: str) -> str:
     claim below). An array's elements it takes for few, and looks each up by primary key,
     whatever the table's statistics say."""
     return ("SELECT * FROM unnest(ARRAY(SELECT l.id FROM (" + jobs + ") AS l)) "
-            "WITH ORDINALITY AS u(id, n)")
+            "WITH ORDINALITY AS u(id, place)")
 
 
 def claim_jobs(jobs: str) -> str:
-    """The claim of the jobs that the subquery ``jobs`` gives as (id, n) (see ``by_id``):
-    each row holds the job's columns in the order of ``skipjack.context.Job``'s fields, then
-    ``n``, its place in the candidates' order (see ``in_claim_order``)."""
+    """The claim of the jobs that the subquery ``jobs`` gives as (id, place) (see
+    ``by_id``): each row holds the job's columns in the order of ``skipjack.context.Job``'s
+    fields, then its place in the candidates' order (see ``in_claim_order``)."""
     return """
 UPDATE {schema}.jobs AS j
    SET state = 'running',
@@ -135,7 +135,7 @@ RETURNING j.id, j.queue, j.task,
           j.attempted_at, j.idempotency_key,
           greatest(coalesce(j.lease_seconds, %(lease)s), %(min_lease)s) AS lease,
           CASE WHEN jsonb_typeof(j.metadata) = 'object' THEN j.metadata END AS metadata,
-          c.n
+          c.place
 """
 
 
@@ -174,7 +174,7 @@ CLAIM_CANDIDATES = candidates(queue_filter="true", order=PRIORITY_ORDER, limit="
 CLAIM_CANDIDATES_OLDEST = candidates(queue_filter="true", order=OLDEST_ORDER,
                                      limit="%(limit)s")
 # ... and the claim of one of them, tried alone in a savepoint to find which fail.
-CLAIM_BY_ID = claim_jobs("SELECT %(id)s::bigint AS id, 1 AS n")
+CLAIM_BY_ID = claim_jobs("SELECT %(id)s::bigint AS id, 1 AS place")
 
 # Limited queues: LOCK_QUEUE (first statement of a transaction) serialises the claims of
 # one queue, so CLAIM_LIMITED (second statement, fresh snapshot) counts every claim that
