@@ -13,7 +13,7 @@ from skipjack import App
 from skipjack.outcome import Outcome, outcome_params
 from skipjack.runtime.maintenance import rescue
 from skipjack.sql import claim as queries
-from skipjack.sql.outcomes import FEW_OUTCOMES
+from skipjack.sql.outcomes import FEW_OUTCOMES, PLANNED_OUTCOMES, PREPARE_HEARTBEAT
 
 from support import query, undo_claim
 
@@ -386,3 +386,52 @@ def test_claim_plan_uses_the_partial_index(app: App) -> None:
             claim_params(inline_bytes=1)
         ).fetchall())
     assert "jobs_claim_idx" in plan and "Seq Scan" not in plan
+
+
+def test_batches_of_outcomes_and_heartbeats_on_a_growing_table_look_rows_up_by_key(
+        app: App) -> None:
+    """A batch of PLANNED_OUTCOMES outcomes, and a heartbeat, sent again and again on
+    one connection while a new jobs table grows and before it is first analysed (autovacuum
+    kept off it here): each is planned for the table of the moment, so once the table is
+    large each row is looked up by primary key. A plan kept from the first, tiny table read
+    the index of the running jobs instead, where every job that has run since leaves an
+    entry until a vacuum. The plans are read from the server's auto_explain module."""
+    t = _task(app)
+    query(app.dsn, "ALTER TABLE {schema}.jobs SET (autovacuum_enabled = false)",
+          schema=app.schema)
+    q = app.queries
+    batch_size = PLANNED_OUTCOMES
+    plans: list[str] = []
+    with app.connect() as conn:
+        conn.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+        conn.execute("LOAD 'auto_explain'")
+        for setting, value in (("log_min_duration", "0"), ("log_level", "notice"),
+                               ("log_nested_statements", "off")):
+            conn.execute(f"SET auto_explain.{setting} = {value}")
+
+        def one_batch() -> tuple[str, str]:
+            app.enqueue_many([t.job() for _ in range(batch_size)])
+            rows = claim(app, limit=batch_size)
+            assert len(rows) == batch_size
+            plans.clear()
+            beat = conn.execute(q.HEARTBEAT, {
+                "id": [r[0] for r in rows], "lease_version": [int(r[7]) for r in rows],
+                "lease": 30.0, "min_lease": 0.0}, prepare=PREPARE_HEARTBEAT).fetchall()
+            assert len(beat) == batch_size
+            batch = [Outcome(r[0], int(r[7]), "", "complete") for r in rows]
+            written = conn.execute(q.record_outcomes(batch_size), outcome_params(batch),
+                                   prepare=q.prepare_outcomes(batch_size)).fetchall()
+            assert len(written) == batch_size
+            heartbeat_plan, outcomes_plan = (p for p in plans if "Update on jobs" in p)
+            return heartbeat_plan, outcomes_plan
+
+        for _ in range(12):  # prepared by psycopg after 5, a generic plan after 5 more
+            one_batch()
+        for _ in range(3):  # 300,000 jobs run and finished, their entries left in the index
+            query(app.dsn, "INSERT INTO {schema}.jobs (queue, task, state) "
+                           "SELECT 'q', 't', 'running' FROM generate_series(1, 100000)",
+                  schema=app.schema)
+            query(app.dsn, "UPDATE {schema}.jobs SET state = 'succeeded', finished_at = now() "
+                           "WHERE state = 'running'", schema=app.schema)
+        for plan in one_batch():
+            assert "jobs_pkey" in plan and "jobs_running_idx" not in plan, plan

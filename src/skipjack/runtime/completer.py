@@ -127,8 +127,10 @@ class Completer:
                     try:
                         if conn is None or conn.closed:
                             conn = await self._db.connect_async()
-                        cur = await conn.execute(self._db.queries.record_outcomes(len(batch)),
-                                                 outcome_params(batch))
+                        q = self._db.queries
+                        cur = await conn.execute(q.record_outcomes(len(batch)),
+                                                 outcome_params(batch),
+                                                 prepare=q.prepare_outcomes(len(batch)))
                         applied = {r[0]: (r[1], r[2]) for r in await cur.fetchall()}
                         if backoff.reset():
                             log.info("completer: the database is reachable again; "

@@ -519,7 +519,7 @@ async def transaction_now_async(conn: psycopg.AsyncConnection[Any],
     return row[0] if row else None
 
 
-def _completion(ctx: JobContext, result: Any) -> dict[str, str]:
+def _completion(ctx: JobContext, result: Any) -> dict[str, str | int]:
     job = ctx.job
     return outcome_params([Outcome(job.id, job.lease_version, job.queue, "complete",
                                    result=dump_result(result), progress=ctx.reported)])

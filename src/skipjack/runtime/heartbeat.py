@@ -19,6 +19,7 @@ import psycopg
 
 from ..context import Job
 from ..db import Database, ReconnectDelay, connection_lost
+from ..sql.outcomes import PREPARE_HEARTBEAT
 
 log = logging.getLogger("skipjack.heartbeat")
 
@@ -270,6 +271,7 @@ class HeartbeatThread(threading.Thread):
             self._db.queries.HEARTBEAT,
             {"lease": self._lease, "min_lease": 3 * self._interval, "id": [x.id for x in held],
              "lease_version": [x.lease_version for x in held]},
+            prepare=PREPARE_HEARTBEAT,
         ).fetchall()
         # job id -> cancel_requested, or None for a job still held but locked by another
         # transaction (not renewed this time); a job missing from the rows lost its lease

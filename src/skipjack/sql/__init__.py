@@ -172,6 +172,14 @@ class Queries:
         return self.RECORD_OUTCOMES if count <= outcomes.FEW_OUTCOMES \
             else self.RECORD_MANY_OUTCOMES
 
+    @staticmethod
+    def prepare_outcomes(count: int) -> bool | None:
+        """psycopg's ``prepare`` argument for a batch of ``count`` outcomes: False (planned
+        at each execution, for the table's size of the moment) from
+        ``outcomes.PLANNED_OUTCOMES`` on, else None (prepared once run a few times); see
+        ``skipjack.sql.outcomes``."""
+        return False if count >= outcomes.PLANNED_OUTCOMES else None
+
     def job_search(self, conditions: tuple[str, ...], time: str = "created", *,
                    ids_only: bool = False, ascending: bool = False) -> bytes:
         """A job search (see ``skipjack.sql.admin.job_search``) rendered for this

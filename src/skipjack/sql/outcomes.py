@@ -61,9 +61,7 @@ UPDATE {schema}.jobs AS j
                           || jsonb_build_object('at', statement_timestamp(), 'worker', j.worker,
                                                 'started_at', j.attempted_at))
                 END
-  FROM json_to_recordset(%(outcomes)s::json)
-       AS o(id bigint, lease_version bigint, kind text, delay float8, result text, error text,
-            progress text)
+  FROM {outcomes}
  WHERE {match} j.id = o.id AND j.lease_version = o.lease_version AND j.state = 'running'
 RETURNING j.id, j.state, CASE WHEN o.kind IN ('retry', 'release') THEN j.run_at END
 """
@@ -80,18 +78,44 @@ RETURNING j.id, j.state, CASE WHEN o.kind IN ('retry', 'release') THEN j.run_at 
 # a plan made for each execution's array would then cost less than the prepared generic
 # plan, and the statement would be planned anew every time (0.18 ms); the array of a
 # sub-select is unknown to both plans, so the generic plan is kept.
+#
+# A batch of PLANNED_OUTCOMES or more is planned at each execution instead (psycopg's
+# prepare=False, see skipjack.sql.Queries.prepare_outcomes): a generic plan is made once,
+# while the table is small, and kept until the table is next analysed. In the first minute
+# of `skipjack bench --only soak` (17,000 jobs/s into a new table, before autovacuum's first
+# visit) the plan kept from the first seconds joined each batch to a bitmap scan of
+# jobs_running_idx (an estimate of 19 running rows), which by then read 238,290 index
+# entries and 10,012 heap pages to find 1,490 running jobs: 80 ms for 968 outcomes, and the
+# worker fell 245,000 jobs behind. A plan made for the table's size of the moment looks each
+# row up by primary key once the table is large (see tests/test_claim_fencing.py). Planning
+# takes 0.09 ms, under 1 us a job from PLANNED_OUTCOMES on; planning every batch of more
+# than FEW_OUTCOMES cost W2 about 4% of its jobs a second (50,500 against 52,500 at
+# concurrency 10, medians of 3 runs), and a batch in between, should its plan read the
+# index, is soon followed by larger ones. The LIMIT of the batch's size (always as many rows
+# as the JSON holds) tells a plan made for one execution how many rows a batch under 100
+# (the function's own estimate) brings.
 FEW_OUTCOMES = 32
-RECORD_OUTCOMES = _RECORD.replace("{match}", """j.id = ANY(ARRAY(SELECT (e ->> 'id')::bigint
+PLANNED_OUTCOMES = 100
+_OUTCOMES = """json_to_recordset(%(outcomes)s::json)
+       AS o(id bigint, lease_version bigint, kind text, delay float8, result text, error text,
+            progress text)"""
+RECORD_OUTCOMES = _RECORD.replace("{outcomes}", _OUTCOMES).replace(
+    "{match}", """j.id = ANY(ARRAY(SELECT (e ->> 'id')::bigint
                            FROM json_array_elements(%(outcomes)s::json) AS e))
    AND""")
-RECORD_MANY_OUTCOMES = _RECORD.replace("{match}", "")
+RECORD_MANY_OUTCOMES = _RECORD.replace(
+    "{outcomes}", f"(SELECT * FROM {_OUTCOMES} LIMIT %(count)s) AS o").replace("{match}", "")
 
 # Renew the leases of a batch of running jobs (fenced). It never waits on a row lock (SKIP
 # LOCKED): the worker's own completer, a cancel request or a rescuer may hold some of the rows,
 # and waiting on them in another order than theirs could deadlock. One row per job still held
 # as of the statement's snapshot: cancel_requested is NULL for a job locked by someone else
 # (not renewed this time; the next beat tries again). Ids missing from the result lost their
-# lease; cancel_requested true tells the worker to stop the handler.
+# lease; cancel_requested true tells the worker to stop the handler. Like
+# RECORD_MANY_OUTCOMES it joins a whole batch and is planned at each execution
+# (PREPARE_HEARTBEAT; 0.15 ms a beat): a plan kept from a small table read every entry of
+# jobs_running_idx, 130 ms a beat in the first minute of the soak.
+PREPARE_HEARTBEAT = False
 HEARTBEAT = """
 WITH h AS (
     SELECT j.id, j.lease_version FROM {schema}.jobs AS j

@@ -41,7 +41,8 @@ def _loop(app: App) -> None:
     with connect(app.dsn) as conn:
         while rows := conn.execute(q.CLAIM, CLAIM_PARAMS).fetchall():
             conn.execute(q.record_outcomes(len(rows)), outcome_params(
-                [Outcome(r[0], r[7], r[1], "complete") for r in rows]))
+                [Outcome(r[0], r[7], r[1], "complete") for r in rows]),
+                prepare=q.prepare_outcomes(len(rows)))
 
 
 def _bare_once(settings: Settings, jobs: int, connections: int) -> float | None:
@@ -65,11 +66,12 @@ def pgbench_script(app: App, conn: psycopg.Connection[Any]) -> str:
                         ("skip", "'{}'")):
         claim = claim.replace(f"%({name})s", value)
     claim = re.sub(r"--[^\n]*", "", claim)  # pgbench takes one statement per line, and
-    record = app.queries.record_outcomes(BATCH).decode().replace("%(outcomes)s", ":outcomes")
+    record = app.queries.record_outcomes(BATCH).decode().replace(
+        "%(outcomes)s", ":outcomes").replace("%(count)s", ":count")
     gather = (f"WITH c AS ({claim.strip()})\n"
               "SELECT coalesce(json_agg(json_build_object('id', id, 'lease_version', "
-              "lease_version, 'kind', 'complete', 'delay', 0)), '[]')::text AS outcomes\n"
-              "  FROM c \\gset\n")
+              "lease_version, 'kind', 'complete', 'delay', 0)), '[]')::text AS outcomes,\n"
+              "       count(*) AS count FROM c \\gset\n")
     record = re.sub(r"--[^\n]*", "", record)  # a comment would swallow the rest of the line
     return " ".join(gather.split("\n")) + "\n" + " ".join(record.split()) + ";\n"
 

@@ -75,7 +75,8 @@ def _claim_loop(app: App, conn: psycopg.Connection[Any], claims: int,
         times.append((time.perf_counter() - t0) * 1000)
         if rows:
             conn.execute(q.record_outcomes(len(rows)), outcome_params(
-                [Outcome(r[0], r[7], r[1], "complete") for r in rows]))
+                [Outcome(r[0], r[7], r[1], "complete") for r in rows]),
+                prepare=q.prepare_outcomes(len(rows)))
         elif seconds is not None:
             time.sleep(0.005)  # wait for the feed
     return times

@@ -47,7 +47,8 @@ def claim_probe(app: App, stop: threading.Event, seen: list[tuple[float, float]]
             seen.append((t0 - started, (time.monotonic() - t0) * 1000))
             if rows:
                 conn.execute(q.record_outcomes(len(rows)), outcome_params(
-                    [Outcome(r[0], r[7], r[1], "complete") for r in rows]))
+                    [Outcome(r[0], r[7], r[1], "complete") for r in rows]),
+                    prepare=q.prepare_outcomes(len(rows)))
 
 
 def _sample_waits(app: App, stop: threading.Event, waits: Counter[str]) -> None:
