@@ -11,7 +11,7 @@ from psycopg import sql
 
 from skipjack import App
 from skipjack.outcome import Outcome, outcome_params
-from skipjack.runtime.maintenance import rescue
+from skipjack.runtime.maintenance import GrowthAnalysis, rescue
 from skipjack.sql import claim as queries
 from skipjack.sql.outcomes import FEW_OUTCOMES, PLANNED_OUTCOMES, PREPARE_HEARTBEAT
 
@@ -353,6 +353,47 @@ def test_one_index_of_the_running_jobs_serves_the_rescuer_and_a_limited_claim(
             plan = "\n".join(r[0] for r in conn.execute(b"EXPLAIN " + statement,
                                                          params).fetchall())
             assert "jobs_running_idx" in plan and "Seq Scan on jobs" not in plan, plan
+
+
+def test_a_claim_planned_on_a_small_table_is_planned_again_once_the_table_has_grown(
+        app: App) -> None:
+    """A claim run again and again on one connection while the jobs table is small keeps
+    the generic plan made for that size; once 300,000 more jobs have run (no ANALYZE:
+    autovacuum is kept off the table here) the analysis after growth analyses the table, and
+    the next claim on that connection looks its rows up by primary key instead of reading
+    the whole table. The plans are read from the server's auto_explain module."""
+    t = _task(app)
+    query(app.dsn, "ALTER TABLE {schema}.jobs SET (autovacuum_enabled = false)",
+          schema=app.schema)
+    analysis = GrowthAnalysis(app.queries, app.schema)
+    plans: list[str] = []
+    with app.connect() as conn, app.connect() as maintenance:
+        conn.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+        conn.execute("LOAD 'auto_explain'")
+        for setting, value in (("log_min_duration", "0"), ("log_level", "notice"),
+                               ("log_nested_statements", "off")):
+            conn.execute(f"SET auto_explain.{setting} = {value}")
+
+        def claim_one() -> str:
+            app.enqueue(t.job())
+            plans.clear()
+            rows = conn.execute(app.queries.CLAIM, claim_params()).fetchall()
+            assert len(rows) == 1
+            query(app.dsn, "UPDATE {schema}.jobs SET state = 'succeeded', finished_at = now() "
+                           "WHERE id = %s", [rows[0][0]], schema=app.schema)
+            (plan,) = (p for p in plans if "Update on jobs" in p)
+            return plan
+
+        for _ in range(12):  # prepared by psycopg after 5, a generic plan after 5 more
+            claim_one()
+        assert analysis(maintenance) is False  # still small: nothing to do
+        query(app.dsn, "INSERT INTO {schema}.jobs (queue, task, state, finished_at) "
+                       "SELECT 'q', 't', 'succeeded', now() FROM generate_series(1, 300000)",
+              schema=app.schema)
+        assert analysis(maintenance) is True
+        assert analysis(maintenance) is False  # analysed: not again until it grows again
+        plan = claim_one()
+    assert "jobs_pkey" in plan and "Seq Scan on jobs j" not in plan, plan
 
 
 def test_a_large_claim_from_an_analysed_table_reads_the_claimed_rows_only(app: App) -> None:

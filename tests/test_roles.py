@@ -18,6 +18,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from skipjack import App
+from skipjack.runtime.maintenance import GrowthAnalysis
+from skipjack.sql import Queries
 
 from support import TESTS, Server, WorkerProcess, fresh_database, query, wait_until
 
@@ -151,6 +153,24 @@ def test_an_owner_given_its_schema_by_a_dba_migrates_without_create_on_the_datab
     with psycopg.connect(roles.owner, autocommit=True) as conn:
         conn.execute(printed.stdout.encode())
     assert cli(roles.owner, "migrate", "--check").returncode == 0
+
+
+def test_only_the_owner_analyses_the_jobs_table_after_it_has_grown(roles: Roles) -> None:
+    """The analysis after growth as the worker role, which may not ANALYZE a table it does
+    not own: nothing happens and nothing fails (autovacuum's analyses remain); as the
+    owner, the table is analysed."""
+    migrated(roles)
+    query(roles.owner, "ALTER TABLE {schema}.jobs SET (autovacuum_enabled = false)",
+          schema=SCHEMA)
+    query(roles.owner, "INSERT INTO {schema}.jobs (queue, task, state, finished_at) "
+                       "SELECT 'q', 't', 'succeeded', now() FROM generate_series(1, 20000)",
+          schema=SCHEMA)
+    pages = "SELECT relpages FROM pg_class WHERE oid = %s::regclass"
+    assert query(roles.owner, pages, [f"{SCHEMA}.jobs"]) == [(0,)]
+    for dsn, analysed in ((roles.worker, False), (roles.owner, True)):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert GrowthAnalysis(Queries(SCHEMA), SCHEMA)(conn) is analysed
+        assert (query(roles.owner, pages, [f"{SCHEMA}.jobs"]) != [(0,)]) is analysed
 
 
 def test_the_enqueuer_cannot_claim_change_or_delete_and_the_worker_cannot_alter(

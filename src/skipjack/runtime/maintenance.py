@@ -8,15 +8,18 @@
   (``skipjack.admin.rollup``);
 - the notification queue's watch (``NotifyQueueWatch``) warns while PostgreSQL's
   notification queue is so full that wake-ups are skipped, naming the likely cause;
+- the analysis after growth (``GrowthAnalysis``) ANALYZEs the jobs table soon after it has
+  grown a lot, so that statements are planned for its size;
 - the registry (``Registry``) keeps this worker's row in the live worker registry fresh
   and removes the rows of workers that are gone (only for people: nothing reads it to
   recover jobs).
 
 None of them needs a leader: each takes its rows with ``SKIP LOCKED`` (so none
 waits on, or deadlocks with, workers or one another), and uniqueness in the database makes
-duplicates impossible. The rescuer reads only the job row (lease expiry and fencing token),
-never a worker registry, so a crashed worker's jobs are recovered whatever name the next
-worker has.
+duplicates impossible (the analysis after growth, which has no rows to take, tries an
+advisory lock instead and skips its turn while another worker holds it). The rescuer reads
+only the job row (lease expiry and fencing token), never a worker registry, so a crashed
+worker's jobs are recovered whatever name the next worker has.
 """
 
 from __future__ import annotations
@@ -286,6 +289,85 @@ def _holder_text(holder: Sequence[Any]) -> str:
             f"idle_in_transaction_session_timeout")
 
 
+# The analysis after growth (GrowthAnalysis): seconds between checks; how many times its
+# pages at the last statistics the jobs table must have grown to; the fewest pages (8 kB
+# each) worth it, where reading the whole table takes well under a millisecond; seconds to
+# wait after an ANALYZE that was skipped because a VACUUM or ANALYZE held the table.
+ANALYZE_CHECK_INTERVAL = 2.0
+ANALYZE_GROWTH = 2.0
+ANALYZE_MIN_PAGES = 128
+ANALYZE_SKIPPED_WAIT = 60.0
+
+
+class GrowthAnalysis:
+    """The duty that ANALYZEs the jobs table soon after it has grown a lot, so that no
+    statement keeps running on a plan made for a much smaller table.
+
+    psycopg prepares a statement it has run a few times, and PostgreSQL then keeps one
+    generic plan for it, made for the table's size at that time, until the table's
+    statistics change (a VACUUM or ANALYZE; autovacuum looks at a database once per
+    ``autovacuum_naptime``, a minute by default, and takes longer on a large table). A claim
+    planned while the table held a few hundred jobs joins the claimed ids to a sequential
+    scan of the whole table (a hash join; on such a table it is the cheaper plan); once the
+    same table held 300,000 more rows, one claim of one job took 34-56 ms on that plan
+    (110-127 ms when the table had been analysed while nearly empty), and about 0.6 ms
+    once the table was analysed again (docs/performance.md, "Plans made for a small
+    table"). Every other prepared statement that reads the table is planned again too.
+
+    Every ``ANALYZE_CHECK_INTERVAL`` seconds the duty compares the table's size with its
+    size at the last statistics (``pg_class.relpages``). A table's pages never shrink but by
+    a VACUUM, which updates its statistics, so every plan in use was made for a table at
+    least that large; once the table is ``ANALYZE_GROWTH`` times that size or more (and at
+    least ``ANALYZE_MIN_PAGES`` pages), the duty runs ``ANALYZE``, after which every
+    session plans its statements on the table again. A table that stops growing is not
+    analysed again (autovacuum keeps its statistics). One worker analyses at a time (an
+    advisory lock); a role that may not analyse the table (the least-privilege worker role
+    of ``skipjack roles``, which does not own it) leaves it to autovacuum.
+
+    Args:
+        queries: the statements of the app's schema.
+        schema: the app's schema.
+    """
+
+    def __init__(self, queries: Queries, schema: str) -> None:
+        self._queries = queries
+        self._params = {"schema": schema, "min_pages": ANALYZE_MIN_PAGES,
+                        "growth": ANALYZE_GROWTH}
+        self._said_may_not = False
+        self._quiet_until = 0.0
+
+    def __call__(self, conn: psycopg.Connection[Any]) -> bool:
+        """Check once, and ANALYZE the table if it has grown enough; returns whether it did.
+
+        Raises:
+            psycopg.Error: the database could not be reached or refused a statement.
+        """
+        if time.monotonic() < self._quiet_until:
+            return False
+        with conn.transaction():
+            row = conn.execute(self._queries.ANALYZE_CHECK, self._params).fetchone()
+            if row is None:  # no jobs table (yet)
+                return False
+            pages, relpages, may_analyze, go = row
+            if not go:
+                if (not may_analyze and not self._said_may_not
+                        and pages >= max(ANALYZE_MIN_PAGES, ANALYZE_GROWTH * max(relpages, 1))):
+                    self._said_may_not = True
+                    log.info("the jobs table has grown to %d pages since its statistics were "
+                             "taken (%d pages); this role may not ANALYZE it, so plans made "
+                             "for the smaller table stay in use until autovacuum analyses "
+                             "it", pages, relpages)
+                return False
+            conn.execute(self._queries.ANALYZE_JOBS)
+            row = conn.execute(self._queries.ANALYZE_CHECK, self._params).fetchone()
+        if row is not None and row[1] == relpages:  # skipped: a VACUUM or ANALYZE runs
+            self._quiet_until = time.monotonic() + ANALYZE_SKIPPED_WAIT
+            return False
+        log.info("analysed the jobs table, grown from %d to %d pages since its statistics "
+                 "were taken, so that statements are planned for its size", relpages, pages)
+        return True
+
+
 # Seconds between two warnings that another live worker has this worker's name.
 NAME_WARN_EVERY = 60.0
 
@@ -361,8 +443,8 @@ class Duty:
 
 
 class Maintenance(threading.Thread):
-    """Runs the stager, rescuer, cron scheduler, pruner, throughput rollup and the
-    notification queue's watch on a connection of its own.
+    """Runs the stager, rescuer, cron scheduler, pruner, throughput rollup, the
+    notification queue's watch and the analysis after growth on a connection of its own.
 
     Args:
         db: the app's database.
@@ -409,6 +491,7 @@ class Maintenance(threading.Thread):
             Duty("notification queue watch", NOTIFY_CHECK_INTERVAL,
                  NotifyQueueWatch(q, poll_interval=poll_interval)),
             Duty("throughput rollup", ROLLUP_INTERVAL, lambda c: rollup(c, q)),
+            Duty("analysis after growth", ANALYZE_CHECK_INTERVAL, GrowthAnalysis(q, db.schema)),
         ]
         self._registry = registry
         if registry is not None:

@@ -125,7 +125,8 @@ class Queries:
     MARK_AWAITED = Statement(results.MARK_AWAITED)
     JOB_OUTCOME = Statement(results.JOB_OUTCOME)
 
-    # maintenance: stager, rescuer, pruner, the notification queue's watch
+    # maintenance: stager, rescuer, pruner, the notification queue's watch, the analysis
+    # after growth
     STAGE = Statement(maintenance.STAGE)
     STAGE_CANDIDATES = Statement(maintenance.STAGE_CANDIDATES)
     STAGE_ONE = Statement(maintenance.STAGE_ONE)
@@ -138,6 +139,8 @@ class Queries:
     NOTIFY_QUEUE_STATUS = Statement(maintenance.NOTIFY_QUEUE_STATUS)
     ROLLUP_THROUGHPUT = Statement(maintenance.ROLLUP_THROUGHPUT)
     PRUNE_THROUGHPUT = Statement(maintenance.PRUNE_THROUGHPUT)
+    ANALYZE_CHECK = Statement(maintenance.ANALYZE_CHECK)
+    ANALYZE_JOBS = Statement(maintenance.ANALYZE_JOBS)
 
     # operators
     STATS = Statement(admin.STATS)

@@ -1,5 +1,5 @@
 """Statements of the maintenance duties: the stager, the rescuer, the pruner, the wake-ups
-they send and the watch on PostgreSQL's notification queue.
+they send, the watch on PostgreSQL's notification queue and the analysis after growth.
 
 Every wake-up is sent only while ``{schema}.may_notify()`` (migration 3) finds the
 notification queue less than ``{schema}.notify_queue_limit()`` full, so that a full queue
@@ -135,6 +135,31 @@ SELECT u.usage, u.usage >= {schema}.notify_queue_limit() AS skipping,
         ORDER BY xact_start
         LIMIT 1) AS h ON true
 """
+
+# The analysis after growth (skipjack.runtime.maintenance.GrowthAnalysis), one transaction:
+# the jobs table's size now and at its last statistics (pg_class.relpages, set by VACUUM and
+# ANALYZE), in pages, and whether to analyse it now: it has grown to min_pages or more and
+# to `growth` times its pages at the last statistics or more, this role may (the table's
+# owner, a member of the owner's role, or a superuser), and no other worker is analysing it
+# (a transaction-scoped advisory lock on a key made from the schema's name, tried only then).
+ANALYZE_CHECK = """
+SELECT s.pages, s.relpages, s.may_analyze,
+       CASE WHEN s.may_analyze AND s.pages >= %(min_pages)s
+                 AND s.pages >= %(growth)s * greatest(s.relpages, 1)
+            THEN pg_try_advisory_xact_lock(hashtextextended('skipjack.analyze:' || n.nspname, 0))
+            ELSE false
+       END AS analyze
+  FROM pg_namespace AS n CROSS JOIN LATERAL (
+       SELECT pg_relation_size(c.oid) / current_setting('block_size')::bigint AS pages,
+              c.relpages::bigint AS relpages, pg_has_role(c.relowner, 'USAGE') AS may_analyze
+         FROM pg_class AS c WHERE c.relnamespace = n.oid AND c.relname = 'jobs') AS s
+ WHERE n.nspname = %(schema)s
+"""
+
+# New statistics for the planner; every session's cached plans that read the table are
+# planned again at their next use. SKIP_LOCKED: a VACUUM or ANALYZE already running on the
+# table (autovacuum's) is left to update them itself.
+ANALYZE_JOBS = "ANALYZE (SKIP_LOCKED) {schema}.jobs"
 
 # Count the jobs that finished since the last rollup into the per-minute throughput table
 # (read on jobs_finished_idx), up to 30 seconds ago (a job's finished_at is the time of its
