@@ -6,6 +6,7 @@ import json
 import random
 from typing import Any
 
+import psycopg
 import pytest
 from psycopg import sql
 
@@ -394,6 +395,36 @@ def test_a_claim_planned_on_a_small_table_is_planned_again_once_the_table_has_gr
         assert analysis(maintenance) is False  # analysed: not again until it grows again
         plan = claim_one()
     assert "jobs_pkey" in plan and "Seq Scan on jobs j" not in plan, plan
+
+
+@pytest.mark.parametrize("held", [
+    "LOCK TABLE {schema}.jobs IN SHARE UPDATE EXCLUSIVE MODE",  # as a VACUUM running
+    "ALTER INDEX {schema}.jobs_pkey SET (fillfactor = 80)",  # DDL on one of its indexes
+])
+def test_the_analysis_after_growth_skips_its_turn_while_another_session_holds_a_lock(
+        app: App, held: str) -> None:
+    """While another session's open transaction holds a lock that ANALYZE would wait for,
+    on the jobs table or on one of its indexes, the analysis after growth does not queue
+    behind it (the maintenance thread's other duties would wait too): it returns without
+    analysing, the other transaction goes on, and once nothing is held on the table a later
+    turn analyses it. (An ANALYZE stopped at an index's lock has already written the
+    table's page count, which PostgreSQL does outside the transaction.)"""
+    query(app.dsn, "ALTER TABLE {schema}.jobs SET (autovacuum_enabled = false)",
+          schema=app.schema)
+    query(app.dsn, "INSERT INTO {schema}.jobs (queue, task, state, finished_at) "
+                   "SELECT 'q', 't', 'succeeded', now() FROM generate_series(1, 20000)",
+          schema=app.schema)
+    pages = "SELECT relpages FROM pg_class WHERE oid = %s::regclass"
+    with app.connect() as holder, app.connect() as conn:
+        with holder.transaction() as held_open:
+            holder.execute(sql.SQL(held).format(schema=sql.Identifier(app.schema)))
+            assert GrowthAnalysis(app.queries, app.schema)(conn) is False
+            assert holder.execute("SELECT 1").fetchall() == [(1,)]  # not a deadlock victim
+            raise psycopg.Rollback(held_open)
+        if held.startswith("LOCK TABLE"):
+            assert query(app.dsn, pages, [f"{app.schema}.jobs"]) == [(0,)]
+            assert GrowthAnalysis(app.queries, app.schema)(conn) is True
+            assert query(app.dsn, pages, [f"{app.schema}.jobs"]) != [(0,)]
 
 
 def test_a_large_claim_from_an_analysed_table_reads_the_claimed_rows_only(app: App) -> None:

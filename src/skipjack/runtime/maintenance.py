@@ -17,7 +17,8 @@
 None of them needs a leader: each takes its rows with ``SKIP LOCKED`` (so none
 waits on, or deadlocks with, workers or one another), and uniqueness in the database makes
 duplicates impossible (the analysis after growth, which has no rows to take, tries an
-advisory lock instead and skips its turn while another worker holds it). The rescuer reads
+advisory lock instead and skips its turn while another worker holds it, or while any
+session holds a lock its ANALYZE would wait for). The rescuer reads
 only the job row (lease expiry and fencing token), never a worker registry, so a crashed
 worker's jobs are recovered whatever name the next worker has.
 """
@@ -291,11 +292,14 @@ def _holder_text(holder: Sequence[Any]) -> str:
 
 # The analysis after growth (GrowthAnalysis): seconds between checks; how many times its
 # pages at the last statistics the jobs table must have grown to; the fewest pages (8 kB
-# each) worth it, where reading the whole table takes well under a millisecond; seconds to
-# wait after an ANALYZE that was skipped because a VACUUM or ANALYZE held the table.
+# each) worth it, where reading the whole table takes well under a millisecond; the longest
+# it waits for a lock (seconds); seconds to wait after a turn that could not analyse the
+# table because another session held a lock on it (a VACUUM or ANALYZE, a CREATE INDEX,
+# DDL in an open transaction).
 ANALYZE_CHECK_INTERVAL = 2.0
 ANALYZE_GROWTH = 2.0
 ANALYZE_MIN_PAGES = 128
+ANALYZE_LOCK_TIMEOUT = 0.5
 ANALYZE_SKIPPED_WAIT = 60.0
 
 
@@ -321,8 +325,13 @@ class GrowthAnalysis:
     least ``ANALYZE_MIN_PAGES`` pages), the duty runs ``ANALYZE``, after which every
     session plans its statements on the table again. A table that stops growing is not
     analysed again (autovacuum keeps its statistics). One worker analyses at a time (an
-    advisory lock); a role that may not analyse the table (the least-privilege worker role
-    of ``skipjack roles``, which does not own it) leaves it to autovacuum.
+    advisory lock). The duty never queues behind another session: while one holds a lock
+    that ANALYZE would wait for (a VACUUM or ANALYZE already running, a CREATE INDEX, DDL
+    in an open transaction) it skips its turns for ``ANALYZE_SKIPPED_WAIT`` seconds, and
+    it waits at most ``ANALYZE_LOCK_TIMEOUT`` seconds for any lock. A role that may not
+    analyse the table (neither its owner nor the database's, nor given MAINTAIN on it from
+    PostgreSQL 17 on: the least-privilege worker role of ``skipjack roles``) leaves it to
+    autovacuum.
 
     Args:
         queries: the statements of the app's schema.
@@ -344,23 +353,32 @@ class GrowthAnalysis:
         """
         if time.monotonic() < self._quiet_until:
             return False
-        with conn.transaction():
-            row = conn.execute(self._queries.ANALYZE_CHECK, self._params).fetchone()
-            if row is None:  # no jobs table (yet)
-                return False
-            pages, relpages, may_analyze, go = row
-            if not go:
-                if (not may_analyze and not self._said_may_not
-                        and pages >= max(ANALYZE_MIN_PAGES, ANALYZE_GROWTH * max(relpages, 1))):
-                    self._said_may_not = True
-                    log.info("the jobs table has grown to %d pages since its statistics were "
-                             "taken (%d pages); this role may not ANALYZE it, so plans made "
-                             "for the smaller table stay in use until autovacuum analyses "
-                             "it", pages, relpages)
-                return False
-            conn.execute(self._queries.ANALYZE_JOBS)
-            row = conn.execute(self._queries.ANALYZE_CHECK, self._params).fetchone()
-        if row is not None and row[1] == relpages:  # skipped: a VACUUM or ANALYZE runs
+        q = self._queries
+        relpages = -1
+        try:
+            with conn.transaction():
+                row = conn.execute(q.ANALYZE_CHECK, self._params).fetchone()
+                if row is None:  # no jobs table (yet)
+                    return False
+                pages, relpages, may_analyze, go = row
+                grown = pages >= max(ANALYZE_MIN_PAGES, ANALYZE_GROWTH * max(relpages, 1))
+                if not go:
+                    if grown and may_analyze:  # another session holds the table
+                        self._quiet_until = time.monotonic() + ANALYZE_SKIPPED_WAIT
+                    elif grown and not self._said_may_not:
+                        self._said_may_not = True
+                        log.info("the jobs table has grown to %d pages since its statistics "
+                                 "were taken (%d pages); this role may not ANALYZE it, so "
+                                 "plans made for the smaller table stay in use until it is "
+                                 "next vacuumed or analysed", pages, relpages)
+                    return False
+                conn.execute(q.ANALYZE_LOCK_TIMEOUT,
+                             {"timeout": str(round(ANALYZE_LOCK_TIMEOUT * 1000))})
+                conn.execute(q.ANALYZE_JOBS)
+                row = conn.execute(q.ANALYZE_CHECK, self._params).fetchone()
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
+            row = None  # a lock of the table's indexes or catalog row was held
+        if row is None or row[1] == relpages:  # not analysed: another session held a lock
             self._quiet_until = time.monotonic() + ANALYZE_SKIPPED_WAIT
             return False
         log.info("analysed the jobs table, grown from %d to %d pages since its statistics "

@@ -138,27 +138,49 @@ SELECT u.usage, u.usage >= {schema}.notify_queue_limit() AS skipping,
 
 # The analysis after growth (skipjack.runtime.maintenance.GrowthAnalysis), one transaction:
 # the jobs table's size now and at its last statistics (pg_class.relpages, set by VACUUM and
-# ANALYZE), in pages, and whether to analyse it now: it has grown to min_pages or more and
-# to `growth` times its pages at the last statistics or more, this role may (the table's
-# owner, a member of the owner's role, or a superuser), and no other worker is analysing it
-# (a transaction-scoped advisory lock on a key made from the schema's name, tried only then).
+# ANALYZE), in pages, whether this role may analyse it, and whether to analyse it now.
+# May: the table's owner or a member of the owner's role (superusers included), the
+# database's owner, or from PostgreSQL 17 on a role with the MAINTAIN privilege on it. Now:
+# it has grown to min_pages or more and to `growth` times its pages at the last statistics
+# or more; no other session holds a lock on it that ANALYZE would wait for (a VACUUM or
+# ANALYZE running, autovacuum's too, a CREATE INDEX, DDL): skipping the turn leaves nothing
+# in the server's log, where a skipped ANALYZE writes a warning; and no other worker is
+# analysing it (a transaction-scoped advisory lock on a key made from the schema's name).
+# The conditions after the size are read only when the size calls for an analysis.
 ANALYZE_CHECK = """
 SELECT s.pages, s.relpages, s.may_analyze,
        CASE WHEN s.may_analyze AND s.pages >= %(min_pages)s
                  AND s.pages >= %(growth)s * greatest(s.relpages, 1)
-            THEN pg_try_advisory_xact_lock(hashtextextended('skipjack.analyze:' || n.nspname, 0))
+            THEN NOT EXISTS (
+                     SELECT 1 FROM pg_locks AS l
+                      WHERE l.locktype = 'relation' AND l.database = s.datid
+                        AND l.relation = s.oid AND l.granted AND l.pid <> pg_backend_pid()
+                        AND l.mode IN ('ShareUpdateExclusiveLock', 'ShareLock',
+                                       'ShareRowExclusiveLock', 'ExclusiveLock',
+                                       'AccessExclusiveLock'))
+                 AND pg_try_advisory_xact_lock(
+                         hashtextextended('skipjack.analyze:' || %(schema)s, 0))
             ELSE false
        END AS analyze
-  FROM pg_namespace AS n CROSS JOIN LATERAL (
-       SELECT pg_relation_size(c.oid) / current_setting('block_size')::bigint AS pages,
-              c.relpages::bigint AS relpages, pg_has_role(c.relowner, 'USAGE') AS may_analyze
-         FROM pg_class AS c WHERE c.relnamespace = n.oid AND c.relname = 'jobs') AS s
- WHERE n.nspname = %(schema)s
+  FROM (SELECT c.oid, d.oid AS datid, c.relpages::bigint AS relpages,
+               pg_relation_size(c.oid) / current_setting('block_size')::bigint AS pages,
+               pg_has_role(c.relowner, 'USAGE') OR pg_has_role(d.datdba, 'USAGE')
+               OR (current_setting('server_version_num')::int >= 170000
+                   AND has_table_privilege(c.oid, 'MAINTAIN')) AS may_analyze
+          FROM pg_class AS c
+          JOIN pg_namespace AS n ON n.oid = c.relnamespace
+          JOIN pg_database AS d ON d.datname = current_database()
+         WHERE n.nspname = %(schema)s AND c.relname = 'jobs') AS s
 """
 
+# The longest the analysis waits for any lock (milliseconds, as text; for its transaction):
+# ANALYZE's SKIP_LOCKED covers the table's own lock only, not its indexes' or its row of
+# pg_class, which DDL in an open transaction may hold.
+ANALYZE_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, true)"
+
 # New statistics for the planner; every session's cached plans that read the table are
-# planned again at their next use. SKIP_LOCKED: a VACUUM or ANALYZE already running on the
-# table (autovacuum's) is left to update them itself.
+# planned again at their next use. SKIP_LOCKED: a lock taken on the table since the check
+# skips this turn.
 ANALYZE_JOBS = "ANALYZE (SKIP_LOCKED) {schema}.jobs"
 
 # Count the jobs that finished since the last rollup into the per-minute throughput table
