@@ -372,7 +372,9 @@ class GrowthAnalysis:
                                  "plans made for the smaller table stay in use until it is "
                                  "next vacuumed or analysed", pages, relpages)
                     return False
-                conn.execute(q.ANALYZE_LOCK_TIMEOUT,
+                # SKIP_LOCKED covers the table's own lock only, not its indexes' or its
+                # row of pg_class, which DDL in an open transaction may hold
+                conn.execute(q.SET_LOCK_TIMEOUT,
                              {"timeout": str(round(ANALYZE_LOCK_TIMEOUT * 1000))})
                 conn.execute(q.ANALYZE_JOBS)
                 row = conn.execute(q.ANALYZE_CHECK, self._params).fetchone()

@@ -140,7 +140,6 @@ class Queries:
     ROLLUP_THROUGHPUT = Statement(maintenance.ROLLUP_THROUGHPUT)
     PRUNE_THROUGHPUT = Statement(maintenance.PRUNE_THROUGHPUT)
     ANALYZE_CHECK = Statement(maintenance.ANALYZE_CHECK)
-    ANALYZE_LOCK_TIMEOUT = Statement(maintenance.ANALYZE_LOCK_TIMEOUT)
     ANALYZE_JOBS = Statement(maintenance.ANALYZE_JOBS)
 
     # operators

@@ -173,11 +173,6 @@ SELECT s.pages, s.relpages, s.may_analyze,
          WHERE n.nspname = %(schema)s AND c.relname = 'jobs') AS s
 """
 
-# The longest the analysis waits for any lock (milliseconds, as text; for its transaction):
-# ANALYZE's SKIP_LOCKED covers the table's own lock only, not its indexes' or its row of
-# pg_class, which DDL in an open transaction may hold.
-ANALYZE_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, true)"
-
 # New statistics for the planner; every session's cached plans that read the table are
 # planned again at their next use. SKIP_LOCKED: a lock taken on the table since the check
 # skips this turn.
