@@ -2,18 +2,20 @@
 concurrency 50 drain one backlog of no-op jobs; for each count: throughput, the claim
 latency a client sees meanwhile, and what the server's active sessions waited on.
 
-The claim latency comes from a probe: one more connection that claims one job every 10 ms
-with skipjack's own claim statement (and completes it), timing each claim. The wait events
+The claim latency comes from a probe: one more connection, in a process of its own, that
+claims one job every 10 ms with skipjack's own claim statement (and completes it), timing
+each claim. The wait events
 are sampled from ``pg_stat_activity`` every 20 ms (LWLock and MultiXact waits are the ones
 to watch: contention on the claim's index and on row locks).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
 
 from skipjack.app import App
 from skipjack.outcome import Outcome, outcome_params
@@ -33,7 +35,11 @@ SELECT wait_event_type, wait_event, count(*) FROM pg_stat_activity
 """
 
 
-def claim_probe(app: App, stop: threading.Event, seen: list[tuple[float, float]],
+class _Stop(Protocol):
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+def claim_probe(app: App, stop: _Stop, seen: list[tuple[float, float]],
                 every: float = 0.01, started: float = 0.0) -> None:
     """Until ``stop``: claim one job every ``every`` seconds with skipjack's own claim
     statement and complete it; appends (seconds since ``started`` on the monotonic clock,
@@ -51,6 +57,64 @@ def claim_probe(app: App, stop: threading.Event, seen: list[tuple[float, float]]
                     prepare=q.prepare_outcomes(len(rows)))
 
 
+def _probe_main(dsn: str, schema: str, every: float, started: float, stop: _Stop,
+                out: Any) -> None:
+    app = App(dsn, schema=schema)
+    seen: list[tuple[float, float]] = []
+    try:
+        claim_probe(app, stop, seen, every, started)
+    finally:
+        out.send(seen)
+        app.close()
+
+
+class ClaimProbe:
+    """:func:`claim_probe` in a process of its own, from entering the ``with`` block to
+    :meth:`stop` (leaving the block ends a probe that is still running).
+
+    In a thread of the bench's process, each claim's round trip also held the time the
+    thread waited for Python's GIL while the bench's other threads ran (an enqueuer
+    building thousands of jobs a second): up to the interpreter's 5 ms switch interval a
+    claim, which is the bench's cost, not the server's. ``started`` is a
+    ``time.monotonic()`` reading of this process (the clock is the system's, shared by
+    the child); ``every`` is in seconds."""
+
+    def __init__(self, app: App, every: float = 0.01, started: float = 0.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._results, sender = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(
+            target=_probe_main, name="skipjack-bench-claim-probe", daemon=True,
+            args=(app.dsn, app.schema, every, started, self._stop, sender))
+
+    def __enter__(self) -> ClaimProbe:
+        self._process.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(10.0)
+
+    def stop(self) -> list[tuple[float, float]]:
+        """Stop the probe; returns its (seconds since ``started``, claim in ms) pairs.
+
+        Raises RuntimeError when the probe's process ended without its results."""
+        self._stop.set()
+        deadline = time.monotonic() + 60.0
+        while not self._results.poll(0.5):
+            if not self._process.is_alive() or time.monotonic() > deadline:
+                self._process.kill()
+                raise RuntimeError(f"the claim probe's process ended without its results "
+                                   f"(exit code {self._process.exitcode})")
+        seen: list[tuple[float, float]] = self._results.recv()
+        self._process.join(10.0)
+        if self._process.exitcode != 0:
+            raise RuntimeError(f"the claim probe's process failed (exit code "
+                               f"{self._process.exitcode}); its error is printed above")
+        return seen
+
+
 def _sample_waits(app: App, stop: threading.Event, waits: Counter[str]) -> None:
     with connect(app.dsn) as conn:
         while not stop.wait(0.02):
@@ -61,22 +125,20 @@ def _sample_waits(app: App, stop: threading.Event, waits: Counter[str]) -> None:
 def _once(settings: Settings, jobs: int, processes: int) -> dict[str, Any]:
     with fresh_app(settings.dsn, "w10") as app:
         noop = register(app)["noop"]
-        claims: list[tuple[float, float]] = []
         waits: Counter[str] = Counter()
         stop = threading.Event()
         workers = WorkerProcesses(app, processes, "--concurrency", str(CONCURRENCY))
         counter = StateCounter(app)
         try:
             workers.wait_listening()
-            helpers = [threading.Thread(target=claim_probe, args=(app, stop, claims)),
-                       threading.Thread(target=_sample_waits, args=(app, stop, waits))]
-            for helper in helpers:
-                helper.start()
-            app.enqueue_many(noop.job(i=i) for i in range(jobs))
-            wait_for(lambda: counter() >= jobs, 120 + jobs / 200, what="W10 jobs")
-            stop.set()
-            for helper in helpers:
-                helper.join()
+            sampler = threading.Thread(target=_sample_waits, args=(app, stop, waits))
+            with ClaimProbe(app) as probe:
+                sampler.start()
+                app.enqueue_many(noop.job(i=i) for i in range(jobs))
+                wait_for(lambda: counter() >= jobs, 120 + jobs / 200, what="W10 jobs")
+                stop.set()
+                sampler.join()
+                claims = probe.stop()
         finally:
             stop.set()
             counter.close()

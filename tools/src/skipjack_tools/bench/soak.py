@@ -11,9 +11,9 @@ last three quarters show whether it then stops growing.
 Measured:
 
 - the claim latency a client sees, from a probe claiming one job every 50 ms with
-  skipjack's own claim statement (see ``scaling.claim_probe``): p50 and p99 per 30 s, and
-  the p99 of the first and of the last window (a quarter of the run) with their ratio
-  (target: the last within 1.2x of the first);
+  skipjack's own claim statement, in a process of its own (see ``scaling.ClaimProbe``):
+  p50 and p99 per 30 s, and the p99 of the first and of the last window (a quarter of the
+  run) with their ratio (target: the last within 1.2x of the first);
 - every 10 s: the jobs table's size and its indexes' (bytes), live and dead rows, the
   runnable backlog, the jobs enqueued so far, and autovacuum's runs on the table;
 - growth: the table + index size at the end over its size at half time (1.0: flat);
@@ -32,7 +32,7 @@ from skipjack.app import App
 
 from . import drain
 from .common import Settings, connect, fresh_app, percentiles
-from .scaling import claim_probe
+from .scaling import ClaimProbe
 from .tasks import register
 from .worker_run import WorkerProcesses
 
@@ -113,17 +113,16 @@ def run(settings: Settings, w2_at_10: float | None = None) -> dict[str, Any]:
             helpers = [
                 threading.Thread(target=_enqueue_steadily,
                                  args=(app, per_second, seconds, stop, sent)),
-                threading.Thread(target=claim_probe,
-                                 args=(app, stop, claims, 0.05, started)),
                 threading.Thread(target=_sample_sizes,
                                  args=(app, started, stop, sent, samples)),
             ]
-            for helper in helpers:
-                helper.start()
-            helpers[0].join()  # the enqueuer ends after ``seconds``
-            stop.set()
-            for helper in helpers[1:]:
-                helper.join()
+            with ClaimProbe(app, every=0.05, started=started) as probe:
+                for helper in helpers:
+                    helper.start()
+                helpers[0].join()  # the enqueuer ends after ``seconds``
+                stop.set()
+                helpers[1].join()
+                claims = probe.stop()
             if workers.procs[0].poll() is not None:
                 raise RuntimeError("the soak's worker process exited during the run")
         finally:
