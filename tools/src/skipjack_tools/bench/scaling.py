@@ -4,9 +4,8 @@ latency a client sees meanwhile, and what the server's active sessions waited on
 
 The claim latency comes from a probe: one more connection, in a process of its own, that
 claims one job every 10 ms with skipjack's own claim statement (and completes it), timing
-each claim. The wait events
-are sampled from ``pg_stat_activity`` every 20 ms (LWLock and MultiXact waits are the ones
-to watch: contention on the claim's index and on row locks).
+each claim. The wait events are sampled from ``pg_stat_activity`` every 20 ms (LWLock and
+MultiXact waits are the ones to watch: contention on the claim's index and on row locks).
 """
 
 from __future__ import annotations
@@ -72,10 +71,10 @@ class ClaimProbe:
     """:func:`claim_probe` in a process of its own, from entering the ``with`` block to
     :meth:`stop` (leaving the block ends a probe that is still running).
 
-    In a thread of the bench's process, each claim's round trip also held the time the
+    In a thread of the bench's process, a claim's round trip could also hold the time the
     thread waited for Python's GIL while the bench's other threads ran (an enqueuer
-    building thousands of jobs a second): up to the interpreter's 5 ms switch interval a
-    claim, which is the bench's cost, not the server's. ``started`` is a
+    building thousands of jobs a second): up to the interpreter's 5 ms switch interval,
+    the bench's cost, not the server's. ``started`` is a
     ``time.monotonic()`` reading of this process (the clock is the system's, shared by
     the child); ``every`` is in seconds."""
 
