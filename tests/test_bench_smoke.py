@@ -47,6 +47,9 @@ def test_quick_bench_reports_every_scenario(server: Server, tmp_path: Path) -> N
     # the bare enqueue + pickup runs from before the INSERT: never shorter than the pickup
     assert raw["pickup"]["total_p50_ms"] >= raw["pickup"]["p50_ms"], raw["pickup"]
     assert data["machine"]["server"]["server_version"]
+    # the claim probe (a process of its own) is ready before the drain starts: it times claims
+    w10 = data["skipjack"]["w10"]["by_processes"]
+    assert all(run["claim_ms"]["p50"] is not None for run in w10.values()), w10
     pgbench = data["skipjack"]["ceiling"]["pgbench"]
     if "skipped" not in pgbench:  # pgbench is installed: every client count ran
         assert all("error" not in run for run in pgbench.values()), pgbench

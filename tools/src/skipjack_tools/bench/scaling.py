@@ -14,6 +14,7 @@ import multiprocessing
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from skipjack.app import App
@@ -39,13 +40,17 @@ class _Stop(Protocol):
 
 
 def claim_probe(app: App, stop: _Stop, seen: list[tuple[float, float]],
-                every: float = 0.01, started: float = 0.0) -> None:
+                every: float = 0.01, started: float = 0.0,
+                on_ready: Callable[[], None] | None = None) -> None:
     """Until ``stop``: claim one job every ``every`` seconds with skipjack's own claim
     statement and complete it; appends (seconds since ``started`` on the monotonic clock,
-    the claim's round trip in ms) to ``seen``."""
+    the claim's round trip in ms) to ``seen``. ``on_ready`` is called once the probe's
+    connection is open."""
     q = app.queries
     params = claim_params("bench", 1, lease=30.0, worker="probe")
     with connect(app.dsn) as conn:
+        if on_ready:
+            on_ready()
         while not stop.wait(every):
             t0 = time.monotonic()
             rows = conn.execute(q.CLAIM, params).fetchall()
@@ -56,57 +61,68 @@ def claim_probe(app: App, stop: _Stop, seen: list[tuple[float, float]],
                     prepare=q.prepare_outcomes(len(rows)))
 
 
-def _probe_main(dsn: str, schema: str, every: float, started: float, stop: _Stop,
-                out: Any) -> None:
+def _probe_main(dsn: str, schema: str, every: float, stop: _Stop, out: Any) -> None:
     app = App(dsn, schema=schema)
     seen: list[tuple[float, float]] = []
     try:
-        claim_probe(app, stop, seen, every, started)
+        claim_probe(app, stop, seen, every, on_ready=lambda: out.send(READY))
     finally:
         out.send(seen)
         app.close()
 
 
+READY = "ready"  # what the probe's process sends once its connection is open
+
+
 class ClaimProbe:
-    """:func:`claim_probe` in a process of its own, from entering the ``with`` block to
-    :meth:`stop` (leaving the block ends a probe that is still running).
+    """:func:`claim_probe` in a process of its own, from entering the ``with`` block (which
+    returns once the probe's connection is open) to :meth:`stop` (leaving the block ends a
+    probe that is still running).
 
     In a thread of the bench's process, a claim's round trip could also hold the time the
     thread waited for Python's GIL while the bench's other threads ran (an enqueuer
     building thousands of jobs a second): up to the interpreter's 5 ms switch interval,
-    the bench's cost, not the server's. ``started`` is a
-    ``time.monotonic()`` reading of this process (the clock is the system's, shared by
-    the child); ``every`` is in seconds."""
+    the bench's cost, not the server's. ``every`` is in seconds."""
 
-    def __init__(self, app: App, every: float = 0.01, started: float = 0.0) -> None:
+    def __init__(self, app: App, every: float = 0.01) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._stop = ctx.Event()
         self._results, sender = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
             target=_probe_main, name="skipjack-bench-claim-probe", daemon=True,
-            args=(app.dsn, app.schema, every, started, self._stop, sender))
+            args=(app.dsn, app.schema, every, self._stop, sender))
 
     def __enter__(self) -> ClaimProbe:
         self._process.start()
+        if self._receive() != READY:
+            self._process.kill()
+            raise RuntimeError("the claim probe's process sent no word that it was ready")
         return self
+
+    def _receive(self, timeout: float = 60.0) -> Any:
+        """The probe process's next message; RuntimeError if it ends or sends none within
+        ``timeout`` seconds (the process is then killed)."""
+        deadline = time.monotonic() + timeout
+        while not self._results.poll(0.5):
+            if not self._process.is_alive() or time.monotonic() > deadline:
+                self._process.kill()
+                raise RuntimeError(f"the claim probe's process ended or fell silent "
+                                   f"(exit code {self._process.exitcode})")
+        return self._results.recv()
 
     def __exit__(self, *exc: object) -> None:
         if self._process.is_alive():
             self._process.kill()
             self._process.join(10.0)
 
-    def stop(self) -> list[tuple[float, float]]:
-        """Stop the probe; returns its (seconds since ``started``, claim in ms) pairs.
+    def stop(self, since: float = 0.0) -> list[tuple[float, float]]:
+        """Stop the probe; returns its (seconds since ``since``, claim in ms) pairs.
 
-        Raises RuntimeError when the probe's process ended without its results."""
+        ``since`` is a ``time.monotonic()`` reading of this process (the clock is the
+        system's, the same in the probe's process). Raises RuntimeError when the probe's
+        process ended without its results."""
         self._stop.set()
-        deadline = time.monotonic() + 60.0
-        while not self._results.poll(0.5):
-            if not self._process.is_alive() or time.monotonic() > deadline:
-                self._process.kill()
-                raise RuntimeError(f"the claim probe's process ended without its results "
-                                   f"(exit code {self._process.exitcode})")
-        seen: list[tuple[float, float]] = self._results.recv()
+        seen = [(at - since, ms) for at, ms in self._receive()]
         self._process.join(10.0)
         if self._process.exitcode != 0:
             raise RuntimeError(f"the claim probe's process failed (exit code "

@@ -109,20 +109,20 @@ def run(settings: Settings, w2_at_10: float | None = None) -> dict[str, Any]:
         stop = threading.Event()
         try:
             workers.wait_listening()
-            started = time.monotonic()
-            helpers = [
-                threading.Thread(target=_enqueue_steadily,
-                                 args=(app, per_second, seconds, stop, sent)),
-                threading.Thread(target=_sample_sizes,
-                                 args=(app, started, stop, sent, samples)),
-            ]
-            with ClaimProbe(app, every=0.05, started=started) as probe:
+            with ClaimProbe(app, every=0.05) as probe:
+                started = time.monotonic()
+                helpers = [
+                    threading.Thread(target=_enqueue_steadily,
+                                     args=(app, per_second, seconds, stop, sent)),
+                    threading.Thread(target=_sample_sizes,
+                                     args=(app, started, stop, sent, samples)),
+                ]
                 for helper in helpers:
                     helper.start()
                 helpers[0].join()  # the enqueuer ends after ``seconds``
                 stop.set()
                 helpers[1].join()
-                claims = probe.stop()
+                claims = probe.stop(since=started)
             if workers.procs[0].poll() is not None:
                 raise RuntimeError("the soak's worker process exited during the run")
         finally:
