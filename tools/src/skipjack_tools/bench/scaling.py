@@ -14,8 +14,8 @@ import multiprocessing
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from typing import Any, Protocol
+from multiprocessing.synchronize import Event as ProcessEvent
+from typing import Any
 
 from skipjack.app import App
 from skipjack.outcome import Outcome, outcome_params
@@ -35,49 +35,39 @@ SELECT wait_event_type, wait_event, count(*) FROM pg_stat_activity
 """
 
 
-class _Stop(Protocol):
-    def wait(self, timeout: float | None = None) -> bool: ...
+READY = "ready"  # what the probe's process sends once its connection is open
 
 
-def claim_probe(app: App, stop: _Stop, seen: list[tuple[float, float]],
-                every: float = 0.01, started: float = 0.0,
-                on_ready: Callable[[], None] | None = None) -> None:
-    """Until ``stop``: claim one job every ``every`` seconds with skipjack's own claim
-    statement and complete it; appends (seconds since ``started`` on the monotonic clock,
-    the claim's round trip in ms) to ``seen``. ``on_ready`` is called once the probe's
-    connection is open."""
+def _probe_main(dsn: str, schema: str, every: float, stop: ProcessEvent, out: Any) -> None:
+    """The probe's process: until ``stop``, claim one job every ``every`` seconds with
+    skipjack's own claim statement and complete it; sends READY through ``out`` once its
+    connection is open, then, at the end, the (``time.monotonic()`` reading, the claim's
+    round trip in ms) pairs."""
+    app = App(dsn, schema=schema)
     q = app.queries
     params = claim_params("bench", 1, lease=30.0, worker="probe")
-    with connect(app.dsn) as conn:
-        if on_ready:
-            on_ready()
-        while not stop.wait(every):
-            t0 = time.monotonic()
-            rows = conn.execute(q.CLAIM, params).fetchall()
-            seen.append((t0 - started, (time.monotonic() - t0) * 1000))
-            if rows:
-                conn.execute(q.record_outcomes(len(rows)), outcome_params(
-                    [Outcome(r[0], r[7], r[1], "complete") for r in rows]),
-                    prepare=q.prepare_outcomes(len(rows)))
-
-
-def _probe_main(dsn: str, schema: str, every: float, stop: _Stop, out: Any) -> None:
-    app = App(dsn, schema=schema)
     seen: list[tuple[float, float]] = []
     try:
-        claim_probe(app, stop, seen, every, on_ready=lambda: out.send(READY))
+        with connect(dsn) as conn:
+            out.send(READY)
+            while not stop.wait(every):
+                t0 = time.monotonic()
+                rows = conn.execute(q.CLAIM, params).fetchall()
+                seen.append((t0, (time.monotonic() - t0) * 1000))
+                if rows:
+                    conn.execute(q.record_outcomes(len(rows)), outcome_params(
+                        [Outcome(r[0], r[7], r[1], "complete") for r in rows]),
+                        prepare=q.prepare_outcomes(len(rows)))
     finally:
         out.send(seen)
         app.close()
 
 
-READY = "ready"  # what the probe's process sends once its connection is open
-
-
 class ClaimProbe:
-    """:func:`claim_probe` in a process of its own, from entering the ``with`` block (which
-    returns once the probe's connection is open) to :meth:`stop` (leaving the block ends a
-    probe that is still running).
+    """A claim probe (one job claimed and completed every ``every`` seconds, each claim
+    timed) in a process of its own, from entering the ``with`` block (which returns once
+    the probe's connection is open) to :meth:`stop` (leaving the block ends a probe that
+    is still running).
 
     In a thread of the bench's process, a claim's round trip could also hold the time the
     thread waited for Python's GIL while the bench's other threads ran (an enqueuer

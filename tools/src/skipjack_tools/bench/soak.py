@@ -100,7 +100,6 @@ def run(settings: Settings, w2_at_10: float | None = None) -> dict[str, Any]:
         per_second, why = round((w2_at_10 or 1000.0) / 2), "half of W2 at concurrency 10"
     settings.log(f"soak: {seconds:.0f} s at {per_second:,} jobs/s ({why}), retention "
                  f"{window:.0f} s")
-    claims: list[tuple[float, float]] = []
     samples: list[dict[str, Any]] = []
     sent = [0]
     with fresh_app(settings.dsn, "soak") as app:
