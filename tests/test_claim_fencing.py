@@ -442,7 +442,7 @@ def test_a_large_claim_from_an_analysed_table_reads_the_claimed_rows_only(app: A
         rows = queries.in_claim_order(
             conn.execute(app.queries.CLAIM, claim_params(limit=500)).fetchall())
     assert "Seq Scan on jobs" not in plan and "jobs_pkey" in plan, plan
-    assert len(rows) == 500 and [r[-1] for r in rows] == list(range(1, 501))
+    assert len(rows) == 500
     assert {r[4] for r in rows} == {2}  # priority 2: a third of the jobs, all before the rest
     assert [r[0] for r in rows] == sorted(r[0] for r in rows)  # then oldest (lowest id) first
 

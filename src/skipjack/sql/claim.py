@@ -11,7 +11,7 @@ returned; the worker loads them with LOAD_ARGS just before the handler runs.
 ``transaction="claim"`` (claimed and run in one open transaction, ``claim_mode`` true: only
 those tasks) from lease claims (``claim_mode`` false: every other task).
 
-Every variant is built by ``claim_jobs`` from the ids (``by_id``) of the jobs that
+Every variant is built by ``claim_jobs`` from the ids of the jobs that
 ``candidates`` selects (which jobs, in which order, how many); the claims of a queue with a
 concurrency or rate limit by ``claim_limited_jobs``.
 """
@@ -100,24 +100,20 @@ def _oldest_candidates(queue_filter: str, limit: str) -> str:
     ) AS o"""
 
 
-def by_id(jobs: str) -> str:
-    """The ids of the jobs that the subquery ``jobs`` selects (see ``candidates``), through
-    an array, each with its ``place`` in the subquery's order, for ``claim_jobs``.
-
-    Joined to the jobs table directly, the subquery's LIMIT (a bind value) is unknown to the
-    planner, which takes a tenth of the table's rows for it: once the table was analysed it
-    joined a claim of 500 from 10,000 jobs by reading the whole table into a hash (5.6 ms a
-    claim against 4.5 ms here; at 200,000 jobs waiting, 75 ms against 0.9 ms for the limited
-    claim below). An array's elements it takes for few, and looks each up by primary key,
-    whatever the table's statistics say."""
-    return ("SELECT * FROM unnest(ARRAY(SELECT l.id FROM (" + jobs + ") AS l)) "
-            "WITH ORDINALITY AS u(id, place)")
-
-
 def claim_jobs(jobs: str) -> str:
-    """The claim of the jobs that the subquery ``jobs`` gives as (id, place) (see
-    ``by_id``): each row holds the job's columns in the order of ``skipjack.context.Job``'s
-    fields, then its place in the candidates' order (see ``in_claim_order``)."""
+    """The claim of the jobs whose ids the subquery ``jobs`` selects (see ``candidates``):
+    each row holds the job's columns in the order of ``skipjack.context.Job``'s fields.
+
+    The ids go through an array (``id = ANY(ARRAY(...))``). Joined to the jobs table
+    directly, the subquery's LIMIT (a bind value) is unknown to the planner, which takes a
+    tenth of the table's rows for it: once the table was analysed it joined a claim of 500
+    from 10,000 jobs by reading the whole table into a hash (5.6 ms a claim against 4.5 ms
+    through an array; at 200,000 jobs waiting, 75 ms against 0.9 ms for the limited claim
+    below). An array's elements it takes for few, and looks each up by primary key, whatever
+    the table's statistics say. The array is scanned by the primary key (``= ANY``) rather
+    than unnested WITH ORDINALITY and joined, which returned each job's place in the claim
+    but cost a join (see "The claim without its join" in docs/performance.md); the worker
+    puts the rows in order itself (``in_claim_order``)."""
     return """
 UPDATE {schema}.jobs AS j
    SET state = 'running',
@@ -127,29 +123,32 @@ UPDATE {schema}.jobs AS j
                               coalesce(j.lease_seconds, %(lease)s), %(min_lease)s)),
        lease_version = j.lease_version + 1 + floor(random() * 2147483647)::bigint,
        worker = %(worker)s
-  FROM (""" + jobs + """) AS c
- WHERE j.id = c.id
+ WHERE j.id = ANY(ARRAY(SELECT c.id FROM (""" + jobs + """) AS c))
 RETURNING j.id, j.queue, j.task,
           CASE WHEN j.args_bytes <= %(inline_bytes)s THEN j.args END AS args,
           j.priority, j.attempt, j.max_attempts, j.lease_version, j.created_at, j.run_at,
           j.attempted_at, j.idempotency_key,
           greatest(coalesce(j.lease_seconds, %(lease)s), %(min_lease)s) AS lease,
-          CASE WHEN jsonb_typeof(j.metadata) = 'object' THEN j.metadata END AS metadata,
-          c.place
+          CASE WHEN jsonb_typeof(j.metadata) = 'object' THEN j.metadata END AS metadata
 """
 
 
 def in_claim_order(rows: list[Any]) -> list[Any]:
-    """The rows of a claim statement sorted in place by their last column, their place in
-    the candidates' order (priority, then run_at, then id; or the oldest first), the order
-    in which the worker starts them. The join returns them in whatever order its plan reads
-    the table: mostly in this order already, which costs the sort one pass. Sorting them in
-    the statement instead (a CTE with ORDER BY) took 12% longer for a claim of 1,000."""
-    rows.sort(key=_PLACE)
+    """The rows of a claim statement sorted in place in the candidates' order, the order
+    in which the worker starts them: highest priority first, then oldest run_at, then
+    lowest id (an oldest-first claim takes one priority only, so this is its order too).
+    Two stable sorts on keys built in C (run_at and id, then priority descending) cost
+    less than one on a key function's tuples. The statement returns the rows in the order
+    of its scan of the primary key, often this order already, which costs each sort one
+    pass."""
+    rows.sort(key=_RUN_AT_ID)
+    rows.sort(key=_PRIORITY, reverse=True)
     return rows
 
 
-_PLACE = operator.itemgetter(-1)
+# Columns of a claim's row (the order of skipjack.context.Job's fields).
+_RUN_AT_ID = operator.itemgetter(9, 0)
+_PRIORITY = operator.itemgetter(4)
 
 
 # A paused queue, or one with a concurrency or rate limit, is not claimed by CLAIM: limited
@@ -161,12 +160,12 @@ _UNCONTROLLED = """NOT EXISTS (SELECT 1 FROM {schema}.queues AS q WHERE q.name =
 _NOT_PAUSED = """NOT EXISTS (SELECT 1 FROM {schema}.queues AS q
                                                  WHERE q.name = %(queue)s AND q.paused)"""
 
-CLAIM = claim_jobs(by_id(candidates(queue_filter=_UNCONTROLLED, order=PRIORITY_ORDER,
-                                    limit="%(limit)s")))
-CLAIM_OLDEST = claim_jobs(by_id(candidates(queue_filter=_UNCONTROLLED, order=OLDEST_ORDER,
-                                           limit="%(limit)s")))
-CLAIM_IN_TRANSACTION = claim_jobs(by_id(candidates(queue_filter=_NOT_PAUSED,
-                                                   order=PRIORITY_ORDER, limit="%(limit)s")))
+CLAIM = claim_jobs(candidates(queue_filter=_UNCONTROLLED, order=PRIORITY_ORDER,
+                              limit="%(limit)s"))
+CLAIM_OLDEST = claim_jobs(candidates(queue_filter=_UNCONTROLLED, order=OLDEST_ORDER,
+                                     limit="%(limit)s"))
+CLAIM_IN_TRANSACTION = claim_jobs(candidates(queue_filter=_NOT_PAUSED, order=PRIORITY_ORDER,
+                                             limit="%(limit)s"))
 
 # After a claim statement failed on some row (a trigger of the application's raising, a value
 # that overflows): the ids that claim would take (in a transaction rolled back afterwards)...
@@ -174,7 +173,7 @@ CLAIM_CANDIDATES = candidates(queue_filter="true", order=PRIORITY_ORDER, limit="
 CLAIM_CANDIDATES_OLDEST = candidates(queue_filter="true", order=OLDEST_ORDER,
                                      limit="%(limit)s")
 # ... and the claim of one of them, tried alone in a savepoint to find which fail.
-CLAIM_BY_ID = claim_jobs("SELECT %(id)s::bigint AS id, 1 AS place")
+CLAIM_BY_ID = claim_jobs("SELECT %(id)s::bigint AS id")
 
 # Limited queues: LOCK_QUEUE (first statement of a transaction) serialises the claims of
 # one queue, so CLAIM_LIMITED (second statement, fresh snapshot) counts every claim that
@@ -188,7 +187,7 @@ SELECT paused FROM {schema}.queues WHERE name = %(queue)s FOR UPDATE
 def claim_limited_jobs(order: str) -> str:
     """The claim from a limited queue (after LOCK_QUEUE), in ``order`` (see
     ``candidates``): as many as its limits allow, counted into its rate window (the
-    candidates' ids through an array, see ``by_id``)."""
+    candidates' ids through an array, see ``claim_jobs``)."""
     return ("""
 WITH q AS (
     SELECT q.*, q.window_start IS NULL
@@ -204,8 +203,8 @@ WITH q AS (
                       %(limit)s))) AS n
       FROM q
 ), claimed AS (
-""" + claim_jobs(by_id(candidates(
-        queue_filter="true", order=order, limit="coalesce((SELECT n FROM allowed), 0)"))
+""" + claim_jobs(candidates(
+        queue_filter="true", order=order, limit="coalesce((SELECT n FROM allowed), 0)")
                  ).strip() + """
 ), counted AS (
     UPDATE {schema}.queues AS q
