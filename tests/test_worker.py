@@ -270,6 +270,48 @@ def test_outcomes_that_arrive_during_a_write_wait_to_share_the_next_statement(
     assert finished[during.id] == finished[after.id] != finished[first.id]
 
 
+def test_the_outcome_of_the_workers_last_job_ends_the_linger(app: App) -> None:
+    """A small batch waits for more outcomes while jobs still run (the linger, here 10
+    minutes); the outcome of the last job the worker holds (nothing running or buffered any
+    more) ends that wait: both outcomes go out at once, in one statement."""
+    ids, jobs = _three_claimed(app)
+    first, last = (Outcome(jobs[i].id, jobs[i].lease_version, "q", "complete")
+                   for i in ids[:2])
+    running = [2]
+    lingering: list[bool] = []
+    written: list[int] = []
+
+    def linger() -> float:
+        lingering.append(True)
+        return 600.0
+
+    async def record() -> None:
+        completer = Completer(app.db, Leases(), lambda o, *_: written.append(o.id),
+                              more_coming=lambda: running[0] > 0, wait=linger,
+                              drained=lambda: running[0] == 0)
+        runner = asyncio.create_task(completer.run())
+        running[0] -= 1
+        completer.submit(first)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 30
+        while not lingering:  # the completer waits for more once it has run up to its wait
+            assert loop.time() < end, "timed out waiting for the linger"
+            await asyncio.sleep(0.001)
+        running[0] -= 1
+        completer.submit(last)
+        while len(written) < 2:
+            assert loop.time() < end, "timed out waiting for the batch to be written"
+            await asyncio.sleep(0.001)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(record())
+    assert sorted(written) == sorted([first.id, last.id])
+    finished = dict(query(app.dsn, "SELECT id, finished_at FROM {schema}.jobs",
+                          schema=app.schema))
+    assert finished[first.id] == finished[last.id] is not None
+
+
 @pytest.mark.parametrize(("task", "how", "seconds"), [
     ("claim_misbehaves", "COMMIT", 3.0),  # longer than its 2 s lease: must not be rescued
     ("claim_misbehaves", "ROLLBACK", 0.0),
@@ -808,6 +850,31 @@ def test_worker_warns_when_it_serves_no_queue_of_the_apps_tasks(
                 worker.stop()
                 thread.join(30)
         assert ("serving only the queue 'default'" in caplog.text) is warned
+
+
+def test_jobs_that_came_without_a_wake_up_are_claimed_at_every_poll(app: App) -> None:
+    """Jobs inserted without the enqueue's wake-up (no notification) are found by the poll
+    alone, at each poll interval in turn, not only at the first (the claim loop's poll
+    timer is set again after each)."""
+    ran: list[int] = []
+
+    @app.task(name="rec", queue="q")
+    def rec(n: int) -> None:
+        ran.append(n)
+
+    worker = Worker(app, ["q"], concurrency=1, poll_interval=0.2)
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    try:
+        for n in (1, 2, 3):  # 2 and 3 come after the worker's first claims, in turn
+            query(app.dsn, "INSERT INTO {schema}.jobs (queue, task, args) "
+                  "VALUES ('q', 'rec', jsonb_build_object('n', %s::int))", [n],
+                  schema=app.schema)
+            wait_until(lambda n=n: n in ran, timeout=30, what=f"job {n} run after a poll")
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert ran == [1, 2, 3]
 
 
 def test_fairness_reaches_low_priorities_on_a_limited_queue(app: App) -> None:

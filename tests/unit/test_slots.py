@@ -30,8 +30,11 @@ def test_a_buffer_over_half_full_claims_nothing_until_it_drains() -> None:
     for i in range(3):
         slots.ready[i] = job(i)
     assert slots.room(0) == 0  # 3 > 4 // 2: wait, so claims come in batches
+    assert not slots.claimable()  # a freed slot does not wake the claim loop
     del slots.ready[0]
     assert slots.room(0) == 4  # 2 + 4 - 0 busy - 2 waiting
+    assert slots.claimable()
+    assert slots.room(1000) == 0 and slots.claimable()  # outcomes pause claims, not this
 
 
 def test_full_slots_leave_no_free_slot() -> None:

@@ -2,7 +2,8 @@
 
 The completer writes every outcome that piled up while its previous write ran, in one
 statement (``RECORD_OUTCOMES``), so a busy worker spends far less than one round trip per job;
-while jobs still run, a small batch first waits a little for more (``linger``).
+while jobs still run, a small batch first waits a little for more (``linger``), and no longer
+than until the outcome of the last job the worker holds comes in.
 A failed write is retried on a fresh connection until it lands: an outcome is never dropped
 while the worker lives, and fencing makes a late or repeated write harmless.
 """
@@ -76,15 +77,19 @@ class Completer:
         wait: how long such a batch waits, in seconds (the worker's: ``linger`` of its
             handlers' average run time and its concurrency).
         on_written: called after each batch is written (the worker may claim again).
+        drained: whether no job runs or waits for a slot: a batch waiting for more ends its
+            wait when an outcome comes in and this is true (the last job of a burst).
     """
 
     def __init__(self, db: Database, leases: Leases,
                  report: Callable[[Outcome, str | None, datetime | None], None],
                  more_coming: Callable[[], bool] = lambda: False,
                  on_written: Callable[[], None] = lambda: None,
-                 wait: Callable[[], float] = lambda: LINGER) -> None:
+                 wait: Callable[[], float] = lambda: LINGER,
+                 drained: Callable[[], bool] = lambda: True) -> None:
         self._db = db
         self._more_coming = more_coming
+        self._drained = drained
         self._wait = wait
         self._on_written = on_written
         self._leases = leases
@@ -93,6 +98,7 @@ class Completer:
         self._refused: dict[tuple[int, int], tuple[int, str]] = {}  # refusals, the last one
         self._writing = False
         self._ready = asyncio.Event()
+        self._last = asyncio.Event()  # an outcome came in with no job left (``drained``)
         self._flushed = asyncio.Event()
 
     def __len__(self) -> int:
@@ -103,10 +109,14 @@ class Completer:
         self._leases.finishing(outcome.id, outcome.lease_version)
         self._pending.append(outcome)
         self._ready.set()
+        if self._drained():
+            self._last.set()  # a linger waiting for more outcomes ends now
 
     async def flush(self) -> None:
-        """Wait until every submitted outcome is written."""
+        """Wait until every submitted outcome is written (a batch waiting for more is
+        written at once)."""
         self._ready.set()
+        self._last.set()
         while self._pending or self._writing:
             self._flushed.clear()
             await self._flushed.wait()
@@ -119,7 +129,13 @@ class Completer:
             while True:
                 await self._ready.wait()
                 if len(self._pending) < LINGER_BATCH and self._more_coming():
-                    await asyncio.sleep(self._wait())  # let the batch grow: fewer statements
+                    # let the batch grow (fewer statements) until the wait is over or the
+                    # outcome of the worker's last job came in
+                    self._last.clear()
+                    try:
+                        await asyncio.wait_for(self._last.wait(), self._wait())
+                    except TimeoutError:
+                        pass
                 self._ready.clear()
                 while self._pending:
                     batch = sorted(self._pending[:1000], key=lambda o: o.id)  # lock order

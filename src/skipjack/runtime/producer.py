@@ -84,6 +84,7 @@ class Producer:
         self._refresh = True  # re-read which queues are limited before the next claim
         self._skipped = SkipList()
         self._oldest = False  # whether the last claim was oldest-first
+        self._poll_due = False  # the poll interval has passed (``_poll``)
 
     def mark_due(self, queue: str) -> None:
         """``queue`` may have runnable jobs now (a notification, or the stager made some)."""
@@ -105,10 +106,22 @@ class Producer:
             self._woken[q] += 1
         self.wakeup.set()
 
+    def _poll(self) -> None:
+        """The poll interval has passed: rescan every queue at the claim loop's next turn."""
+        self._poll_due = True
+        self.wakeup.set()
+
     def slot_freed(self, queue: str | None = None) -> None:
-        """A slot freed: claim again; a limited queue's limit may allow more jobs now."""
+        """A slot freed: claim again if the slots and the buffer leave room for a claim
+        (``Slots.claimable``); a limited queue's limit may allow more jobs now.
+
+        While the buffer is over half full a freed slot takes a buffered job and nothing is
+        claimed, so the claim loop is not woken for it: in ``skipjack bench``'s W4 (2 ms
+        jobs, concurrency 8) it was woken for 1,632 of 2,000 jobs and claimed 90 times."""
         if queue in self._limited:
             self.due[queue] = True
+        elif not self._slots.claimable():
+            return
         self.wakeup.set()
 
     async def run(self) -> None:
@@ -116,15 +129,16 @@ class Producer:
         loop = asyncio.get_running_loop()
         conn: psycopg.AsyncConnection[Any] | None = None
         backoff = ReconnectDelay()
-        next_poll = loop.time() + self._poll_interval
+        poll_timer = loop.call_later(self._poll_interval, self._poll)
         start = 0
         self._refresh = True
         try:
             while not self._stopping.is_set():
-                if loop.time() >= next_poll:
+                if self._poll_due:
+                    self._poll_due = False
                     self.mark_all_due()
-                    next_poll = loop.time() + self._poll_interval
                     self._refresh = True  # re-read which queues are limited
+                    poll_timer = loop.call_later(self._poll_interval, self._poll)
                 self.wakeup.clear()
                 order = self._queues[start:] + self._queues[:start]
                 start = (start + 1) % len(self._queues)
@@ -177,12 +191,9 @@ class Producer:
                 free = self._slots.room(len(self._completer))
                 if (free > 0 and any(self.due.values())) or self._stopping.is_set():
                     continue
-                try:
-                    await asyncio.wait_for(self.wakeup.wait(),
-                                           max(0.0, next_poll - loop.time()))
-                except TimeoutError:
-                    pass
+                await self.wakeup.wait()  # set by the poll timer (``_poll``) at the latest
         finally:
+            poll_timer.cancel()
             await close_quietly(conn)
 
     def _params(self, queue: str, want: int) -> dict[str, Any]:

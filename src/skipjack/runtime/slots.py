@@ -90,6 +90,11 @@ class Slots:
         """Whether one more job could start now."""
         return self.busy() < self.concurrency
 
+    def claimable(self) -> bool:
+        """Whether the slots and the buffer leave room for a claim now (``room`` may still
+        say 0 while too many outcomes wait to be written)."""
+        return self._free() > 0
+
     def room(self, unwritten: int) -> int:
         """How many more jobs to claim now, with ``unwritten`` outcomes waiting to be written:
         the free slots plus the prefetch buffer's free places; but nothing while the buffer
@@ -105,6 +110,10 @@ class Slots:
         if self.claims_paused:
             self.claims_paused = False
             log.info("outcomes written; claiming again")
+        return self._free()
+
+    def _free(self) -> int:
+        """Free slots plus the buffer's free places; 0 while the buffer is over half full."""
         if self.ready and len(self.ready) > self.prefetch // 2:
             return 0
         return self.concurrency + self.prefetch - self.busy() - len(self.ready)

@@ -235,7 +235,9 @@ class Worker:
                                     more_coming=lambda: bool(self._slots.running),
                                     on_written=lambda: self._producer.wakeup.set(),
                                     wait=lambda: linger(self._slots.run_time,
-                                                        self.concurrency))
+                                                        self.concurrency),
+                                    drained=lambda: not (self._slots.running
+                                                         or self._slots.ready))
         self._executor = Executor(db, self.app.tasks, self._slots, self._leases,
                                   self._completer, self.stats, self._report, self.app.hooks,
                                   self._stopping,
