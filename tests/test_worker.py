@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import operator
 import os
 import secrets
 import shutil
@@ -870,11 +872,54 @@ def test_jobs_that_came_without_a_wake_up_are_claimed_at_every_poll(app: App) ->
             query(app.dsn, "INSERT INTO {schema}.jobs (queue, task, args) "
                   "VALUES ('q', 'rec', jsonb_build_object('n', %s::int))", [n],
                   schema=app.schema)
-            wait_until(lambda n=n: n in ran, timeout=30, what=f"job {n} run after a poll")
+            wait_until(functools.partial(operator.contains, ran, n), timeout=30,
+                       what=f"job {n} run after a poll")
     finally:
         worker.stop()
         thread.join(30)
     assert ran == [1, 2, 3]
+
+
+def test_a_worker_stopped_while_only_a_stuck_thread_runs_releases_its_buffer(
+        app: App) -> None:
+    """Stopping while the only busy slot is a handler thread stuck past its timeout (no
+    job's task runs): the worker stops without an error and releases the jobs it had
+    claimed ahead, unstarted, rather than leaving them running with an attempt spent."""
+    release = threading.Event()
+
+    @app.task(name="hang", queue="q", timeout=0.3, max_attempts=1)
+    def hang() -> None:
+        release.wait(60)  # ignores its timeout: its thread holds the slot until released
+
+    @app.task(name="later", queue="q")
+    def later() -> None:
+        pass
+
+    stuck = hang.enqueue()
+    worker = Worker(app, ["q"], concurrency=1, prefetch=4, poll_interval=0.2)
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(worker.run_async())
+        except BaseException as exc:  # what ends the worker's run is the test's outcome
+            failures.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        wait_until(lambda: (app.get_job(stuck) or {}).get("state") == "discarded",
+                   what="the hanging job timed out")
+        app.enqueue_many(later.job() for _ in range(3))
+        wait_until(lambda: worker.gauges()["buffered"] == 3, what="three jobs claimed ahead")
+    finally:
+        worker.stop()
+        thread.join(30)
+        release.set()
+    assert failures == []
+    assert states(app.dsn, app.schema) == {"discarded": 1, "available": 3}
+    assert query(app.dsn, "SELECT max(attempt) FROM {schema}.jobs WHERE task = 'later'",
+                 schema=app.schema) == [(0,)]
 
 
 def test_fairness_reaches_low_priorities_on_a_limited_queue(app: App) -> None:

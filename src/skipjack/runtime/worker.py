@@ -463,7 +463,8 @@ class Worker:
                      slots.busy())
             tasks = [r.task for r in slots.running.values() if r.task is not None]
             tasks += self._claim_mode.runners
-            await asyncio.wait(tasks, timeout=self.shutdown_grace)
+            if tasks:  # none when the only busy slots are threads stuck past their timeout
+                await asyncio.wait(tasks, timeout=self.shutdown_grace)
             self._executor.shut_down()
             for runner in self._claim_mode.runners:  # the process exit rolls their claims back
                 runner.cancel()
