@@ -880,7 +880,7 @@ def test_jobs_that_came_without_a_wake_up_are_claimed_at_every_poll(app: App) ->
     assert ran == [1, 2, 3]
 
 
-def test_a_worker_stopped_while_only_a_stuck_thread_runs_releases_its_buffer(
+def test_fc22_a_worker_stopped_while_only_a_stuck_thread_runs_releases_its_buffer(
         app: App) -> None:
     """Stopping while the only busy slot is a handler thread stuck past its timeout (no
     job's task runs): the worker stops without an error and releases the jobs it had
