@@ -356,6 +356,33 @@ def test_one_index_of_the_running_jobs_serves_the_rescuer_and_a_limited_claim(
             assert "jobs_running_idx" in plan and "Seq Scan on jobs" not in plan, plan
 
 
+def test_a_rate_window_opens_at_the_first_claim_that_takes_a_job(app: App) -> None:
+    """A rate-limited queue's claims that find no job leave its window unopened (and its
+    row's version as it was); the first one that takes a job opens it and counts that job;
+    the claims the window's limit holds back take nothing and count nothing."""
+    t = _task(app)
+    app.set_queue_limits("q", rate=2, period=3600)
+
+    def limited_claim() -> int:
+        with app.connect() as conn:
+            conn.execute(app.queries.LOCK_QUEUE, {"queue": "q"})
+            return len(conn.execute(app.queries.CLAIM_LIMITED, claim_params()).fetchall())
+
+    def window() -> list[tuple[Any, ...]]:
+        return query(app.dsn, "SELECT window_start IS NOT NULL, window_count, xmin::text "
+                              "FROM {schema}.queues WHERE name = 'q'", schema=app.schema)
+
+    (before,) = window()
+    assert before[:2] == (False, 0)
+    assert limited_claim() == 0
+    assert window() == [before]  # the same row version: not updated
+    app.enqueue_many([t.job() for _ in range(3)])
+    assert limited_claim() == 2
+    assert window()[0][:2] == (True, 2)
+    assert limited_claim() == 0
+    assert window()[0][:2] == (True, 2)
+
+
 def test_a_claim_planned_on_a_small_table_is_planned_again_once_the_table_has_grown(
         app: App) -> None:
     """A claim run again and again on one connection while the jobs table is small keeps

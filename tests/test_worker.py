@@ -25,6 +25,7 @@ from skipjack import App, current_job
 from skipjack.context import Job
 from skipjack.hooks import Hooks
 from skipjack.outcome import Outcome, error_json
+from skipjack.runtime import producer
 from skipjack.runtime.completer import Completer
 from skipjack.runtime.heartbeat import Leases
 from skipjack.runtime.maintenance import rescue
@@ -922,6 +923,44 @@ def test_fc22_a_worker_stopped_while_only_a_stuck_thread_runs_releases_its_buffe
                  schema=app.schema) == [(0,)]
 
 
+def test_claim_mode_runners_start_only_for_a_free_slot(app: App) -> None:
+    """A queue with a transaction="claim" task gets a claim-mode runner only when a slot is
+    free: while a handler thread stuck past its timeout holds the only slot, the polls start
+    no runner (each would wait for that thread, and fill the room the buffer claims from),
+    and the jobs that come meanwhile are claimed ahead into the buffer."""
+    release = threading.Event()
+
+    @app.task(name="hang", queue="q", timeout=0.3, max_attempts=1)
+    def hang() -> None:
+        release.wait(60)  # ignores its timeout: its thread holds the slot until released
+
+    @app.task(name="later", queue="q")
+    def later() -> None:
+        pass
+
+    @app.task(name="in_claim", queue="q", transaction="claim")
+    def in_claim() -> None:
+        pass
+
+    stuck = hang.enqueue()
+    worker = Worker(app, ["q"], concurrency=1, prefetch=3, poll_interval=0.2)
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    try:
+        wait_until(lambda: (app.get_job(stuck) or {}).get("state") == "discarded",
+                   what="the hanging job timed out")
+        app.enqueue_many(later.job() for _ in range(3))
+        wait_until(lambda: worker.gauges()["buffered"] == 3, what="three jobs claimed ahead")
+        assert worker.gauges()["running"] == 1  # the stuck thread alone
+        release.set()
+        wait_until(lambda: states(app.dsn, app.schema) == {"discarded": 1, "succeeded": 3},
+                   what="the buffered jobs run once the thread returned")
+    finally:
+        release.set()
+        worker.stop()
+        thread.join(30)
+
+
 def test_fairness_reaches_low_priorities_on_a_limited_queue(app: App) -> None:
     """Concurrency limit 1 and no prefetch: one job per claim, and the claims that find the
     limit reached (the finished job's outcome not yet written) do not take a turn."""
@@ -944,6 +983,31 @@ def test_fairness_reaches_low_priorities_on_a_limited_queue(app: App) -> None:
         worker.stop()
         thread.join(30)
     assert order == [1, 0, 2, 3, 4]  # claim 2 took the oldest; strict priority: 0 last
+
+
+def test_a_limited_queue_is_claimed_again_once_an_outcome_is_written(
+        app: App, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Concurrency limit 1 and a worker of concurrency 4: a freed slot's claim comes before
+    the finished job's outcome is written, so it finds the limit reached; the outcome's
+    write makes the queue due again. With the retry after a short claim and the poll both
+    10 minutes away, the jobs run one after another all the same."""
+    monkeypatch.setattr(producer, "LIMITED_RETRY", 600.0)
+    running, peak = [0], [0]  # handlers running now, and the most at once
+
+    @app.task(name="one", queue="q")
+    async def one() -> None:
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        try:
+            await asyncio.sleep(0.05)
+        finally:
+            running[0] -= 1
+
+    app.set_queue_limits("q", concurrency=1)
+    app.enqueue_many(one.job() for _ in range(6))
+    worker = Worker(app, ["q"], concurrency=4, poll_interval=600)
+    _run_worker_until(worker, lambda: states(app.dsn, app.schema) == {"succeeded": 6})
+    assert peak == [1]  # one at a time, as the limit says
 
 
 def _claim_sizes(app: App) -> list[int]:

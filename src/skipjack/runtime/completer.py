@@ -76,7 +76,8 @@ class Completer:
             batch then waits ``wait()`` seconds to grow before it is written.
         wait: how long such a batch waits, in seconds (the worker's: ``linger`` of its
             handlers' average run time and its concurrency).
-        on_written: called after each batch is written (the worker may claim again).
+        on_written: called with each batch once it is written (the worker may claim again:
+            a queue's concurrency limit no longer counts those jobs).
         drained: whether no job runs or waits for a slot: a batch waiting for more ends its
             wait when an outcome comes in and this is true (the last job of a burst).
     """
@@ -84,7 +85,7 @@ class Completer:
     def __init__(self, db: Database, leases: Leases,
                  report: Callable[[Outcome, str | None, datetime | None], None],
                  more_coming: Callable[[], bool] = lambda: False,
-                 on_written: Callable[[], None] = lambda: None,
+                 on_written: Callable[[list[Outcome]], None] = lambda batch: None,
                  wait: Callable[[], float] = lambda: LINGER,
                  drained: Callable[[], bool] = lambda: True) -> None:
         self._db = db
@@ -180,7 +181,7 @@ class Completer:
                     self._leases.remove_many((o.id, o.lease_version) for o in batch)
                     for o in batch:
                         self._report(o, *applied.get(o.id, (None, None)))
-                    self._on_written()
+                    self._on_written(batch)
                     if self._pending and len(self._pending) < LINGER_BATCH \
                             and self._more_coming():
                         # what came in during the write waits to grow as well, rather than

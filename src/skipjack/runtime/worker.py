@@ -233,7 +233,7 @@ class Worker:
         self._report = Reporter(self.app.hooks, self.stats)
         self._completer = Completer(db, self._leases, self._recorded,
                                     more_coming=lambda: bool(self._slots.running),
-                                    on_written=lambda: self._producer.wakeup.set(),
+                                    on_written=lambda batch: self._producer.outcomes_written(batch),
                                     wait=lambda: linger(self._slots.run_time,
                                                         self.concurrency),
                                     drained=lambda: not (self._slots.running

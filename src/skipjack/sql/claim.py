@@ -178,7 +178,8 @@ CLAIM_BY_ID = claim_jobs("SELECT %(id)s::bigint AS id")
 # Limited queues: LOCK_QUEUE (first statement of a transaction) serialises the claims of
 # one queue, so CLAIM_LIMITED (second statement, fresh snapshot) counts every claim that
 # committed before it. Only running jobs with a live lease count against the concurrency
-# limit; the rate window is opened or advanced here too.
+# limit; the rate window is opened or advanced here too, by a claim that takes jobs (one
+# that finds none, at a limit or an empty queue, leaves the queue's row as it was).
 LOCK_QUEUE = """
 SELECT paused FROM {schema}.queues WHERE name = %(queue)s FOR UPDATE
 """
@@ -212,7 +213,7 @@ WITH q AS (
            window_count = CASE WHEN q2.new_window THEN 0 ELSE q.window_count END
                           + (SELECT count(*) FROM claimed)
       FROM q AS q2
-     WHERE q.name = q2.name AND q.rate_limit IS NOT NULL
+     WHERE q.name = q2.name AND q.rate_limit IS NOT NULL AND EXISTS (SELECT FROM claimed)
 )
 SELECT * FROM claimed
 """)
