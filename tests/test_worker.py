@@ -21,7 +21,7 @@ import psycopg.rows
 import pytest
 from psycopg import sql
 
-from skipjack import App, current_job
+from skipjack import App, Task, current_job
 from skipjack.context import Job
 from skipjack.hooks import Hooks
 from skipjack.outcome import Outcome, error_json
@@ -881,20 +881,28 @@ def test_jobs_that_came_without_a_wake_up_are_claimed_at_every_poll(app: App) ->
     assert ran == [1, 2, 3]
 
 
+def _stuck_thread_tasks(app: App, release: threading.Event) -> tuple[Task, Task]:
+    """Tasks ``hang`` (a sync handler that ignores its 0.3 s timeout: its thread holds a slot
+    until ``release`` is set; one attempt) and ``later`` (does nothing), both on queue "q"."""
+
+    @app.task(name="hang", queue="q", timeout=0.3, max_attempts=1)
+    def hang() -> None:
+        release.wait(60)
+
+    @app.task(name="later", queue="q")
+    def later() -> None:
+        pass
+
+    return hang, later
+
+
 def test_fc22_a_worker_stopped_while_only_a_stuck_thread_runs_releases_its_buffer(
         app: App) -> None:
     """Stopping while the only busy slot is a handler thread stuck past its timeout (no
     job's task runs): the worker stops without an error and releases the jobs it had
     claimed ahead, unstarted, rather than leaving them running with an attempt spent."""
     release = threading.Event()
-
-    @app.task(name="hang", queue="q", timeout=0.3, max_attempts=1)
-    def hang() -> None:
-        release.wait(60)  # ignores its timeout: its thread holds the slot until released
-
-    @app.task(name="later", queue="q")
-    def later() -> None:
-        pass
+    hang, later = _stuck_thread_tasks(app, release)
 
     stuck = hang.enqueue()
     worker = Worker(app, ["q"], concurrency=1, prefetch=4, poll_interval=0.2)
@@ -929,14 +937,7 @@ def test_claim_mode_runners_start_only_for_a_free_slot(app: App) -> None:
     no runner (each would wait for that thread, and fill the room the buffer claims from),
     and the jobs that come meanwhile are claimed ahead into the buffer."""
     release = threading.Event()
-
-    @app.task(name="hang", queue="q", timeout=0.3, max_attempts=1)
-    def hang() -> None:
-        release.wait(60)  # ignores its timeout: its thread holds the slot until released
-
-    @app.task(name="later", queue="q")
-    def later() -> None:
-        pass
+    hang, later = _stuck_thread_tasks(app, release)
 
     @app.task(name="in_claim", queue="q", transaction="claim")
     def in_claim() -> None:
