@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import operator
 import os
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -931,11 +933,11 @@ def test_fc22_a_worker_stopped_while_only_a_stuck_thread_runs_releases_its_buffe
                  schema=app.schema) == [(0,)]
 
 
-def test_claim_mode_runners_start_only_for_a_free_slot(app: App) -> None:
-    """A queue with a transaction="claim" task gets a claim-mode runner only when a slot is
-    free: while a handler thread stuck past its timeout holds the only slot, the polls start
-    no runner (each would wait for that thread, and fill the room the buffer claims from),
-    and the jobs that come meanwhile are claimed ahead into the buffer."""
+def test_claim_mode_runners_do_not_pile_up_while_no_slot_is_free(app: App) -> None:
+    """A queue with a transaction="claim" task gets one claim-mode runner at a time while no
+    slot is free: with a handler thread stuck past its timeout in the only slot, the polls
+    (every 0.2 s) start no more runners beside the one that waits for that slot, and the
+    jobs that come meanwhile are claimed ahead into the room the buffer has left."""
     release = threading.Event()
     hang, later = _stuck_thread_tasks(app, release)
 
@@ -945,21 +947,122 @@ def test_claim_mode_runners_start_only_for_a_free_slot(app: App) -> None:
 
     stuck = hang.enqueue()
     worker = Worker(app, ["q"], concurrency=1, prefetch=3, poll_interval=0.2)
+    polls = [0]
+    mark_all_due = worker._producer.mark_all_due
+
+    def counted() -> None:
+        polls[0] += 1
+        mark_all_due()
+
+    worker._producer.mark_all_due = counted  # type: ignore[method-assign]
     thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
     thread.start()
     try:
         wait_until(lambda: (app.get_job(stuck) or {}).get("state") == "discarded",
                    what="the hanging job timed out")
         app.enqueue_many(later.job() for _ in range(3))
-        wait_until(lambda: worker.gauges()["buffered"] == 3, what="three jobs claimed ahead")
-        assert worker.gauges()["running"] == 1  # the stuck thread alone
+        # the waiting runner holds one place of concurrency 1 + prefetch 3 - the stuck thread
+        wait_until(lambda: worker.gauges()["buffered"] == 2, what="two jobs claimed ahead")
+        seen = polls[0]
+        wait_until(lambda: polls[0] >= seen + 5, what="five more polls")
+        assert worker._claim_mode.per_queue["q"] == 1
+        assert worker._slots.busy() == 2  # the stuck thread and the waiting runner
         release.set()
         wait_until(lambda: states(app.dsn, app.schema) == {"discarded": 1, "succeeded": 3},
-                   what="the buffered jobs run once the thread returned")
+                   what="the jobs run once the thread returned")
     finally:
         release.set()
         worker.stop()
         thread.join(30)
+
+
+def test_a_claim_mode_job_takes_the_next_slot_ahead_of_a_buffered_backlog(app: App) -> None:
+    """Every slot busy and a backlog of another queue's jobs buffered: a claim-mode job
+    enqueued meanwhile gets a runner that waits for the next slot, and runs there, before
+    the backlog (which would otherwise take each slot as it frees, and keep it); the
+    concurrency (1) is never exceeded."""
+    go = threading.Event()
+    order: list[str] = []
+
+    @app.task(name="first", queue="a")
+    async def first() -> None:
+        order.append("first")
+        await asyncio.get_running_loop().run_in_executor(None, go.wait, 60)
+        order.append("first ended")
+
+    @app.task(name="quick", queue="a")
+    async def quick() -> None:
+        order.append("quick")
+
+    @app.task(name="in_claim", queue="b", transaction="claim")
+    def in_claim() -> None:
+        order.append("in_claim")
+
+    first.enqueue()
+    app.enqueue_many(quick.job() for _ in range(10))
+    worker = Worker(app, ["a", "b"], concurrency=1, prefetch=100, poll_interval=600)
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    try:
+        wait_until(lambda: order == ["first"] and worker.gauges()["buffered"] == 10,
+                   what="the first job running, the rest buffered")
+        in_claim.enqueue()
+        wait_until(lambda: worker._claim_mode.per_queue["b"] == 1,
+                   what="a runner for the claim-mode job")
+        go.set()
+        wait_until(lambda: states(app.dsn, app.schema) == {"succeeded": 12},
+                   what="every job done")
+    finally:
+        go.set()
+        worker.stop()
+        thread.join(30)
+    assert order == ["first", "first ended", "in_claim"] + ["quick"] * 10
+
+
+def test_a_limited_queue_has_one_retry_pending_at_a_time(
+        app: App, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A limited queue whose claim came back short is claimed again LIMITED_RETRY seconds
+    later, by one retry at a time: the short claims after each of 20 finished jobs do not
+    each start a retry of their own (20 retries, each claiming again every LIMITED_RETRY
+    seconds for as long as the limit holds)."""
+    monkeypatch.setattr(producer, "LIMITED_RETRY", 0.1)
+    holding, go = threading.Event(), threading.Event()
+
+    @app.task(name="quick", queue="q")
+    async def quick() -> None:
+        pass
+
+    @app.task(name="hold", queue="q")
+    async def hold() -> None:
+        holding.set()
+        await asyncio.get_running_loop().run_in_executor(None, go.wait, 60)
+
+    app.set_queue_limits("q", concurrency=1)
+    app.enqueue_many(quick.job() for _ in range(20))
+    hold.enqueue()  # claimed last (same priority, higher id)
+    worker = Worker(app, ["q"], concurrency=4, poll_interval=600)
+    retries: list[float] = []  # when the queue was marked due while the hold job ran
+    mark_due = worker._producer.mark_due
+
+    def timed(queue: str) -> None:  # nothing else marks it due: no job is enqueued meanwhile
+        if holding.is_set():
+            retries.append(time.monotonic())
+        mark_due(queue)
+
+    worker._producer.mark_due = timed  # type: ignore[method-assign]
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    try:
+        wait_until(lambda: len(retries) >= 8, what="eight retries while the limit holds")
+        go.set()
+        wait_until(lambda: states(app.dsn, app.schema) == {"succeeded": 21},
+                   what="every job done")
+    finally:
+        go.set()
+        worker.stop()
+        thread.join(30)
+    gaps = [b - a for a, b in itertools.pairwise(retries)]
+    assert min(gaps) >= 0.09, gaps  # one retry at a time: each LIMITED_RETRY after the last
 
 
 def test_fairness_reaches_low_priorities_on_a_limited_queue(app: App) -> None:

@@ -554,9 +554,10 @@ class Admin:
 
         Args:
             concurrency: the most jobs running at once with a live lease (1..1,000,000).
-            rate: the most starts per ``period`` seconds (1..1,000,000, with ``period`` in
-                (0, one year]). A window opens at the first claim that takes a job after
-                the previous one closed.
+            rate: the most jobs claimed per ``period`` seconds (1..1,000,000, with
+                ``period`` in (0, one year]); a job claimed ahead of a free slot (a
+                worker's prefetch) may start later. A window opens at the first claim that
+                takes a job after the previous one closed.
 
         Workers are told at once (and re-read limits every poll interval). Limits are enforced for
         lease-mode tasks; a ``transaction="claim"`` task's running jobs are invisible to

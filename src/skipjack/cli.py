@@ -775,7 +775,7 @@ def queues_resume(ctx: click.Context, queue: str) -> None:
 @click.argument("queue")
 @click.option("--concurrency", type=click.IntRange(1), default=None,
               help="At most this many running at once, across all workers.")
-@click.option("--rate", type=click.IntRange(1), default=None, help="At most this many starts...")
+@click.option("--rate", type=click.IntRange(1), default=None, help="At most this many claimed...")
 @click.option("--per", "period", default=None, type=DURATION,
               help="...per this period (e.g. 1s, 1m).")
 @click.pass_context

@@ -394,7 +394,7 @@ class QueueCollector(Collector):
         concurrency = GaugeMetricFamily("skipjack_queue_concurrency_limit",
                                         "A queue's concurrency limit.", labels=["queue"])
         rate = GaugeMetricFamily("skipjack_queue_rate_limit",
-                                 "A queue's rate limit: starts per period.", labels=["queue"])
+                                 "A queue's rate limit: jobs claimed per period.", labels=["queue"])
         period = GaugeMetricFamily("skipjack_queue_rate_period_seconds",
                                    "The period of a queue's rate limit.", labels=["queue"])
         for row in summary["queues"]:

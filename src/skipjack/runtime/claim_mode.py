@@ -8,7 +8,9 @@ involved; the session's ``idle_in_transaction_session_timeout`` is set to the lo
 these tasks, so the server ends the transaction of a stalled worker.
 
 Runners grow with the work: each claim that finds a job starts one more runner while slots
-are free, and a runner ends when its queue has no job for it.
+are free, and a runner ends when its queue has no job for it. While every slot is busy, a
+queue with no runner gets one that waits for the next slot to free (the buffered jobs wait
+behind it), so claim-mode jobs are not held back by a backlog of others.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -105,6 +108,9 @@ class ClaimModeRunners:
         self._on_slot_freed = on_slot_freed
         self.due = dict.fromkeys(queues, True)  # queues that may have claim-mode jobs
         self.runners: set[asyncio.Task[None]] = set()
+        self.per_queue: Counter[str] = Counter()  # runners of each queue
+        self._freed = asyncio.Event()  # a slot freed: a runner waiting for one may go on
+        self._waiting = 0  # runners waiting for a slot (each counted in Slots.claim_mode)
         self.task_names: list[str] = []
         self._skipped = SkipList()  # used from the handler threads, one claim at a time each
         self._idle_timeout_ms = 0
@@ -116,12 +122,38 @@ class ClaimModeRunners:
         self._idle_timeout_ms = int(1000 * max([t.lease or self._lease for t in mine],
                                                default=0))
 
+    def wants_runner(self, queue: str) -> bool:
+        """Whether to start a runner for ``queue`` (which may have claim-mode jobs): when a
+        slot is free, or when every slot is busy and the queue has no runner (it then waits
+        for the next slot; one such runner a queue, so polls do not pile them up)."""
+        return self._slots.has_free_slot() or not self.per_queue[queue]
+
     def spawn(self, queue: str) -> None:
-        """Start a runner for ``queue``; it holds a slot until it ends."""
+        """Start a runner for ``queue``; it holds a slot until it ends (one over the
+        concurrency when none was free: it claims once a running job has given one up)."""
         self._slots.claim_mode += 1
+        self.per_queue[queue] += 1
         runner = asyncio.create_task(self._run(queue), name=f"skipjack-claim-mode-{queue}")
         self.runners.add(runner)
         runner.add_done_callback(self.runners.discard)
+
+    def slot_freed(self) -> None:
+        """A slot freed, or the worker stops: a runner waiting for a slot looks again."""
+        if self._waiting:
+            self._freed.set()
+
+    async def _wait_for_slot(self) -> None:
+        """Wait until the slots in use, leaving out those of the runners waiting (this one
+        among them), leave one free: then this runner's slot is within the concurrency.
+        Buffered jobs start only below the concurrency, so they wait behind it."""
+        self._waiting += 1
+        try:
+            while (self._slots.busy() - self._waiting >= self._slots.concurrency
+                   and not self._stopping.is_set()):
+                self._freed.clear()
+                await self._freed.wait()
+        finally:
+            self._waiting -= 1
 
     def _grow(self, queue: str) -> None:
         if not self._stopping.is_set() and self._slots.has_free_slot():
@@ -138,6 +170,8 @@ class ClaimModeRunners:
                 pass
 
         try:
+            if self._slots.busy() > self._slots.concurrency:  # started with no slot free
+                await self._wait_for_slot()
             while not self._stopping.is_set():
                 try:
                     outcome, state, run_at = await self._executor.in_thread(
@@ -158,6 +192,7 @@ class ClaimModeRunners:
                 self._report.recorded(outcome, state, run_at)
         finally:
             self._slots.claim_mode -= 1
+            self.per_queue[queue] -= 1
             self._executor.fill()  # a buffered job may have waited for this slot
             self._on_slot_freed()
 

@@ -43,7 +43,8 @@ log = logging.getLogger("skipjack.worker")
 
 # Seconds after a limited queue's claim came back short before it is claimed again: a rate
 # window may have closed meanwhile. A concurrency limit lifts sooner, when the completer
-# writes an outcome of the queue (``Producer.outcomes_written``).
+# writes an outcome of the queue (``Producer.outcomes_written``). One retry a queue is
+# pending at a time.
 LIMITED_RETRY = 0.5
 
 
@@ -86,6 +87,7 @@ class Producer:
         self._woken = dict.fromkeys(self._queues, 0)
         self._claims = dict.fromkeys(self._queues, 0)  # claims that took jobs, per queue
         self._limited: set[str] = set()
+        self._retrying: set[str] = set()  # limited queues with a retry pending
         self._refresh = True  # re-read which queues are limited before the next claim
         self._skipped = SkipList()
         self._oldest = False  # whether the last claim was oldest-first
@@ -111,6 +113,12 @@ class Producer:
             self._woken[q] += 1
         self.wakeup.set()
 
+    def _retry(self, queue: str) -> None:
+        """``LIMITED_RETRY`` seconds after a limited queue's claim came back short: claim
+        from it again (its limit may have lifted)."""
+        self._retrying.discard(queue)
+        self.mark_due(queue)
+
     def _poll(self) -> None:
         """The poll interval has passed: rescan every queue at the claim loop's next turn."""
         self._poll_due = True
@@ -132,13 +140,15 @@ class Producer:
 
     def slot_freed(self, queue: str | None = None) -> None:
         """A slot freed: claim again if the slots and the buffer leave room for a claim
-        (``Slots.claimable``); a limited queue's limit may allow more jobs now.
+        (``Slots.claimable``); a limited queue's limit may allow more jobs now; a claim-mode
+        runner waiting for a slot may go on.
 
         While the buffer is over half full a freed slot takes a buffered job and nothing is
         claimed, so the claim loop is not woken for it: in ``skipjack bench``'s W4 (2,000
         jobs of 2 ms, concurrency 8, 90 claims) its coroutine ran 1,632 times when every
         freed slot woke it, 261 times since (docs/performance.md, "The end of a burst and
         the claim loop's wake-ups")."""
+        self._claim_mode.slot_freed()
         if queue in self._limited:
             self.due[queue] = True
         elif not self._slots.claimable():
@@ -169,7 +179,7 @@ class Producer:
                     if free <= 0 or self._stopping.is_set():
                         break
                     if (self._claim_mode.task_names and self._claim_mode.due[queue]
-                            and self._slots.has_free_slot()):  # a runner needs a slot
+                            and self._claim_mode.wants_runner(queue)):
                         self._claim_mode.due[queue] = False
                         self._claim_mode.spawn(queue)  # it spawns more as it finds jobs
                         continue
@@ -206,8 +216,9 @@ class Producer:
                         break
                     if len(rows) < want and self._woken[queue] == woken:
                         self.due[queue] = False
-                        if queue in self._limited:  # a limit may lift soon (rate window)
-                            loop.call_later(LIMITED_RETRY, self.mark_due, queue)
+                        if queue in self._limited and queue not in self._retrying:
+                            self._retrying.add(queue)  # a limit may lift soon (rate window)
+                            loop.call_later(LIMITED_RETRY, self._retry, queue)
                     self._executor.buffer([Job.from_row(r) for r in in_claim_order(rows)])
                     self._executor.fill()
                 free = self._slots.room(len(self._completer))

@@ -458,6 +458,7 @@ class Worker:
             self._completer.submit(Outcome(job.id, job.lease_version, job.queue, "release",
                                            job=job))
         slots.ready.clear()
+        self._claim_mode.slot_freed()  # a runner waiting for a slot sees the stop and ends
         if slots.busy():
             log.info("waiting up to %.1fs for %d running jobs", self.shutdown_grace,
                      slots.busy())
