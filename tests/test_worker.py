@@ -1114,6 +1114,24 @@ def test_a_limited_queue_is_claimed_again_once_an_outcome_is_written(
     assert peak == [1]  # one at a time, as the limit says
 
 
+def test_a_rate_limited_queue_with_a_short_period_is_claimed_again_each_period(
+        app: App, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue limited to 5 jobs per 0.2 s: a claim that the full window cut short is tried
+    again after the period (not after LIMITED_RETRY, here 10 minutes, as is the poll), so
+    20 jobs run in four windows of at most 5."""
+    monkeypatch.setattr(producer, "LIMITED_RETRY", 600.0)
+
+    @app.task(name="quick", queue="q")
+    async def quick() -> None:
+        pass
+
+    app.set_queue_limits("q", rate=5, period=0.2)
+    app.enqueue_many(quick.job() for _ in range(20))
+    worker = Worker(app, ["q"], concurrency=10, poll_interval=600)
+    _run_worker_until(worker, lambda: states(app.dsn, app.schema) == {"succeeded": 20})
+    assert max(_claim_sizes(app)) <= 5
+
+
 def _claim_sizes(app: App) -> list[int]:
     """Jobs per claim statement: the rows a claim takes share its transaction's
     ``attempted_at``."""

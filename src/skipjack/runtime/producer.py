@@ -42,10 +42,12 @@ from .slots import Slots
 log = logging.getLogger("skipjack.worker")
 
 # Seconds after a limited queue's claim came back short before it is claimed again: a rate
-# window may have closed meanwhile. A concurrency limit lifts sooner, when the completer
-# writes an outcome of the queue (``Producer.outcomes_written``). One retry a queue is
-# pending at a time.
+# window may have closed meanwhile (sooner for a shorter rate period, down to
+# MIN_LIMITED_RETRY, the most often an empty limited queue is claimed). A concurrency limit
+# lifts sooner, when the completer writes an outcome of the queue
+# (``Producer.outcomes_written``). One retry a queue is pending at a time.
 LIMITED_RETRY = 0.5
+MIN_LIMITED_RETRY = 0.05
 
 
 class Producer:
@@ -86,7 +88,7 @@ class Producer:
         # claim's snapshot missed) keeps the queue due when the claim comes back short
         self._woken = dict.fromkeys(self._queues, 0)
         self._claims = dict.fromkeys(self._queues, 0)  # claims that took jobs, per queue
-        self._limited: set[str] = set()
+        self._limited: dict[str, float | None] = {}  # limited queues: their rate periods
         self._retrying: set[str] = set()  # limited queues with a retry pending
         self._refresh = True  # re-read which queues are limited before the next claim
         self._skipped = SkipList()
@@ -113,8 +115,15 @@ class Producer:
             self._woken[q] += 1
         self.wakeup.set()
 
+    def _retry_delay(self, queue: str) -> float:
+        """Seconds until a limited queue whose claim came back short is claimed again:
+        ``LIMITED_RETRY``, or its rate period if shorter (at least ``MIN_LIMITED_RETRY``)."""
+        period = self._limited.get(queue)
+        return LIMITED_RETRY if period is None else max(min(LIMITED_RETRY, period),
+                                                        MIN_LIMITED_RETRY)
+
     def _retry(self, queue: str) -> None:
-        """``LIMITED_RETRY`` seconds after a limited queue's claim came back short: claim
+        """``_retry_delay`` seconds after a limited queue's claim came back short: claim
         from it again (its limit may have lifted)."""
         self._retrying.discard(queue)
         self.mark_due(queue)
@@ -133,7 +142,7 @@ class Producer:
         concurrency 10 (PostgreSQL 15): 6.0-7.0 s from the first start to the last end
         before, 5.05 s since (ideal 5)."""
         if self._limited:
-            for queue in {o.queue for o in outcomes} & self._limited:
+            for queue in {o.queue for o in outcomes} & self._limited.keys():
                 self.due[queue] = True
                 self._woken[queue] += 1  # due still if a claim of it under way comes back short
         self.wakeup.set()
@@ -194,7 +203,7 @@ class Producer:
                         if self._refresh:
                             self._refresh = False
                             cur = await conn.execute(self._db.queries.LIMITED_QUEUES)
-                            self._limited = {r[0] for r in await cur.fetchall()}
+                            self._limited = dict(await cur.fetchall())
                         rows = await self._claim(conn, queue, want)
                         if backoff.reset():
                             log.info("claim: the database is reachable again")
@@ -218,7 +227,7 @@ class Producer:
                         self.due[queue] = False
                         if queue in self._limited and queue not in self._retrying:
                             self._retrying.add(queue)  # a limit may lift soon (rate window)
-                            loop.call_later(LIMITED_RETRY, self._retry, queue)
+                            loop.call_later(self._retry_delay(queue), self._retry, queue)
                     self._executor.buffer([Job.from_row(r) for r in in_claim_order(rows)])
                     self._executor.fill()
                 free = self._slots.room(len(self._completer))

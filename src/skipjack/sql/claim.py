@@ -228,7 +228,8 @@ CLAIM_LIMITED_OLDEST = claim_limited_jobs(OLDEST_ORDER)
 NO_WAIT_FOR_FLUSH = "SET synchronous_commit = off"
 
 LIMITED_QUEUES = """
-SELECT name FROM {schema}.queues WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL
+SELECT name, rate_period FROM {schema}.queues
+ WHERE concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL
 """
 
 # A handler's transaction is idle while the handler computes or calls other services: the
