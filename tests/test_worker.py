@@ -937,7 +937,7 @@ def test_claim_mode_runners_do_not_pile_up_while_no_slot_is_free(app: App) -> No
     """A queue with a transaction="claim" task gets one claim-mode runner at a time while no
     slot is free: with a handler thread stuck past its timeout in the only slot, the polls
     (every 0.2 s) start no more runners beside the one that waits for that slot, and the
-    jobs that come meanwhile are claimed ahead into the room the buffer has left."""
+    jobs that come meanwhile are claimed ahead into the buffer."""
     release = threading.Event()
     hang, later = _stuck_thread_tasks(app, release)
 
@@ -961,8 +961,9 @@ def test_claim_mode_runners_do_not_pile_up_while_no_slot_is_free(app: App) -> No
         wait_until(lambda: (app.get_job(stuck) or {}).get("state") == "discarded",
                    what="the hanging job timed out")
         app.enqueue_many(later.job() for _ in range(3))
-        # the waiting runner holds one place of concurrency 1 + prefetch 3 - the stuck thread
-        wait_until(lambda: worker.gauges()["buffered"] == 2, what="two jobs claimed ahead")
+        # concurrency 1 + prefetch 3 - the stuck thread (a runner's slot counts as free for
+        # claims: it gives it back after its job while claimed jobs wait)
+        wait_until(lambda: worker.gauges()["buffered"] == 3, what="three jobs claimed ahead")
         seen = polls[0]
         wait_until(lambda: polls[0] >= seen + 5, what="five more polls")
         assert worker._claim_mode.per_queue["q"] == 1
@@ -1019,6 +1020,131 @@ def test_a_claim_mode_job_takes_the_next_slot_ahead_of_a_buffered_backlog(app: A
     assert order == ["first", "first ended", "in_claim"] + ["quick"] * 10
 
 
+@pytest.mark.parametrize("prefetch", [0, 10])
+def test_fc20_a_stream_of_claim_mode_jobs_holds_back_no_other_queue(app: App,
+                                                                   prefetch: int) -> None:
+    """Claim-mode runners holding every slot (concurrency 2) with a backlog of 1,000
+    claim-mode jobs of 10 ms: jobs of another queue enqueued meanwhile run before that
+    backlog is done (a runner gives its slot back after a job while other work waits: jobs
+    claimed ahead, or, with no prefetch, a queue the worker had no room to claim from), and
+    the concurrency holds throughout."""
+    lock = threading.Lock()
+    running_now, peak = [0], [0]
+
+    def enter() -> None:
+        with lock:
+            running_now[0] += 1
+            peak[0] = max(peak[0], running_now[0])
+
+    def leave() -> None:
+        with lock:
+            running_now[0] -= 1
+
+    @app.task(name="stream", queue="c", transaction="claim")
+    def stream() -> None:
+        enter()
+        time.sleep(0.01)
+        leave()
+
+    @app.task(name="other", queue="l")
+    async def other() -> None:
+        enter()
+        await asyncio.sleep(0.01)
+        leave()
+
+    app.enqueue_many(stream.job() for _ in range(1000))
+    worker = Worker(app, ["c", "l"], concurrency=2, prefetch=prefetch, poll_interval=0.2)
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+
+    def done(task: str) -> int:
+        return query(app.dsn, "SELECT count(*) FROM {schema}.jobs WHERE task = %s AND state "
+                     "= 'succeeded'", (task,), schema=app.schema)[0][0]
+
+    try:
+        wait_until(lambda: done("stream") >= 20, what="the claim-mode stream running")
+        app.enqueue_many(other.job() for _ in range(5))
+        wait_until(lambda: done("other") == 5, timeout=120, what="the other queue's jobs run")
+        left = 1000 - done("stream")
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert left > 0  # they did not wait for the stream to end
+    assert peak == [2]
+
+
+@pytest.mark.parametrize("prefetch", [0, None])
+def test_claim_mode_jobs_and_others_share_the_slots(app: App, prefetch: int | None) -> None:
+    """Backlogs of claim-mode jobs and of other jobs (10 ms each), concurrency 4, no
+    prefetch or the adaptive one: once 100 of the other jobs have run, the claim-mode
+    runners hold two slots and the other jobs two, and both backlogs are still there."""
+
+    @app.task(name="stream", queue="c", transaction="claim")
+    def stream() -> None:
+        time.sleep(0.01)
+
+    @app.task(name="other", queue="l")
+    async def other() -> None:
+        await asyncio.sleep(0.01)
+
+    app.enqueue_many(stream.job() for _ in range(2000))
+    app.enqueue_many(other.job() for _ in range(2000))
+    worker = Worker(app, ["c", "l"], concurrency=4, prefetch=prefetch, poll_interval=0.2)
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    slots = worker._slots
+    try:
+        wait_until(lambda: worker.stats.succeeded >= 100 and query(
+            app.dsn, "SELECT count(*) FROM {schema}.jobs WHERE task = 'other' AND state = "
+            "'succeeded'", schema=app.schema)[0][0] >= 100, timeout=60,
+            what="100 of the other jobs run")
+        wait_until(lambda: (slots.claim_mode, len(slots.running)) == (2, 2),
+                   what="two slots each")
+        left = states(app.dsn, app.schema).get("available", 0)
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert left > 1000  # neither backlog had been run through first
+
+
+@pytest.mark.parametrize("busy", ["idle", "in a statement"])
+def test_a_claim_mode_handler_past_its_lease_uses_its_attempt(app: App, busy: str) -> None:
+    """A claim-mode handler still running at its job's lease (1 s), idle in the claim's
+    transaction or in a statement of it: the worker ends the claim's session and counts the
+    attempt as timed out, so the job runs once an attempt and is discarded after its last.
+    (Before, the server's idle timeout undid an idle handler's claim with no attempt counted,
+    and the job was claimed again at once while the first handler still ran, for ever; a
+    handler in a long statement was not bounded at all.)"""
+    from skipjack import Backoff
+
+    starts: list[float] = []
+
+    @app.task(name="overdue", queue="q", transaction="claim", lease=1, max_attempts=2,
+              backoff=Backoff(base=0.05, cap=0.1, jitter=False))
+    def overdue() -> None:
+        starts.append(time.monotonic())
+        if busy == "idle":
+            time.sleep(3)
+        else:
+            current_job().conn.execute("SELECT pg_sleep(60)")
+
+    job = overdue.enqueue()
+    worker = Worker(app, ["q"], concurrency=2, heartbeat=0.3, poll_interval=0.2,
+                    stage_interval=0.2)
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    try:
+        final = wait_until(lambda: (j := app.get_job(job)) and j["state"] == "discarded" and j,
+                           timeout=45, what="the job discarded after its two attempts")
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert final["attempt"] == 2
+    assert len(starts) == 2
+    assert all("past its lease of 1s" in e["error"] for e in final["errors"]), final["errors"]
+    assert worker.stats.discarded == 1 and worker.stats.retried == 1
+
+
 def test_a_limited_queue_has_one_retry_pending_at_a_time(
         app: App, monkeypatch: pytest.MonkeyPatch) -> None:
     """A limited queue whose claim came back short is claimed again LIMITED_RETRY seconds
@@ -1041,15 +1167,15 @@ def test_a_limited_queue_has_one_retry_pending_at_a_time(
     app.enqueue_many(quick.job() for _ in range(20))
     hold.enqueue()  # claimed last (same priority, higher id)
     worker = Worker(app, ["q"], concurrency=4, poll_interval=600)
-    retries: list[float] = []  # when the queue was marked due while the hold job ran
-    mark_due = worker._producer.mark_due
+    retries: list[float] = []  # when a retry made the queue due while the hold job ran
+    retry = worker._producer._retry
 
-    def timed(queue: str) -> None:  # nothing else marks it due: no job is enqueued meanwhile
+    def timed(queue: str) -> None:
         if holding.is_set():
             retries.append(time.monotonic())
-        mark_due(queue)
+        retry(queue)
 
-    worker._producer.mark_due = timed  # type: ignore[method-assign]
+    worker._producer._retry = timed  # type: ignore[method-assign]
     thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
     thread.start()
     try:
@@ -1063,6 +1189,44 @@ def test_a_limited_queue_has_one_retry_pending_at_a_time(
         thread.join(30)
     gaps = [b - a for a, b in itertools.pairwise(retries)]
     assert min(gaps) >= 0.09, gaps  # one retry at a time: each LIMITED_RETRY after the last
+
+
+def test_a_limited_queue_s_retries_start_no_claim_mode_runner(
+        app: App, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Limits do not apply to claim-mode jobs, so the retries of an idle limited queue
+    (every LIMITED_RETRY seconds, here 0.05) claim its lease-mode jobs only: they start no
+    claim-mode runner, each of which would open a transaction to claim."""
+    monkeypatch.setattr(producer, "LIMITED_RETRY", 0.05)
+
+    @app.task(name="in_claim", queue="q", transaction="claim")
+    def in_claim() -> None:
+        pass
+
+    app.set_queue_limits("q", concurrency=1)
+    worker = Worker(app, ["q"], concurrency=2, poll_interval=600)
+    retries, spawns = [0], [0]
+    retry, spawn = worker._producer._retry, worker._claim_mode.spawn
+
+    def counted_retry(queue: str) -> None:
+        retries[0] += 1
+        retry(queue)
+
+    def counted_spawn(queue: str) -> None:
+        spawns[0] += 1
+        spawn(queue)
+
+    worker._producer._retry = counted_retry  # type: ignore[method-assign]
+    worker._claim_mode.spawn = counted_spawn  # type: ignore[method-assign]
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    try:
+        wait_until(lambda: retries[0] >= 3, what="three retries of the idle limited queue")
+        seen = spawns[0]  # the start's (every queue due at first, and once listening)
+        wait_until(lambda: retries[0] >= 13, what="ten more retries")
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert spawns[0] == seen
 
 
 def test_fairness_reaches_low_priorities_on_a_limited_queue(app: App) -> None:

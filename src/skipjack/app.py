@@ -355,8 +355,10 @@ class App(Admin):
                 that stays open while the handler runs (sync handlers only) and commits with
                 the outcome. No lease or rescue is involved: if the worker dies, PostgreSQL
                 rolls back and the job is available again. The handler must finish within
-                its lease: the session's ``idle_in_transaction_session_timeout`` is set to
-                it, so a stalled worker's transaction is ended by the server.
+                its lease: past it the worker ends the claim's session and counts the
+                attempt as timed out; the session's ``idle_in_transaction_session_timeout``
+                is the lease plus 1 s, so a stalled worker's transaction is ended by the
+                server.
             timeout: seconds an attempt may run; past it the attempt fails (and is retried
                 per policy). Async handlers are cancelled; a sync handler's thread cannot be
                 stopped, so it is told through ``current_job().cancelled`` and its eventual
@@ -376,7 +378,7 @@ class App(Admin):
                                       "'complete' for an async handler")
             if transaction == "claim" and timeout is not None:
                 raise ValidationError("timeout", "not supported with transaction='claim' (its "
-                                      "lease bounds it: the server ends an idle claim)")
+                                      "lease bounds it: past it the claim is ended)")
             default = f"{f.__module__}.{f.__qualname__}"
             task_name = check_name("task", default if name is None else name, TASK_MAX_BYTES)
             task = Task(

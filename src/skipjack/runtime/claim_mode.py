@@ -4,13 +4,22 @@ A runner claims one job in a transaction, runs its (sync) handler in a thread wi
 ``current_job().conn`` on that transaction (the handler's writes in a savepoint, so a failed
 handler's writes roll back), records the outcome in the same transaction and commits. A crashed
 worker's job is free again at once: PostgreSQL rolls the claim back. No lease or rescue is
-involved; the session's ``idle_in_transaction_session_timeout`` is set to the longest lease of
-these tasks, so the server ends the transaction of a stalled worker.
+involved. A handler must end within its job's lease: past it the worker ends the claim's
+session (the server rolls the claim back) and counts the attempt as timed out, so that the
+job is retried after its backoff and its attempts run out, rather than being claimed again
+at once, with no attempt counted, while the handler's thread still runs. The session's
+``idle_in_transaction_session_timeout`` is the longest lease of these tasks plus
+``IDLE_TIMEOUT_MARGIN``, so the server ends the transaction of a worker that stalled.
 
 Runners grow with the work: each claim that finds a job starts one more runner while slots
 are free, and a runner ends when its queue has no job for it. While every slot is busy, a
 queue with no runner gets one that waits for the next slot to free (the buffered jobs wait
-behind it), so claim-mode jobs are not held back by a backlog of others.
+behind it), so claim-mode jobs are not held back by a backlog of others. The other way
+round, the producer claims other jobs for the slots runners hold (``Slots.room``); while
+such jobs wait, a runner gives its slot back after a job if runners hold more slots than the
+running jobs, or starts one more runner (which takes the next slot to free) if they hold
+fewer, so a steady stream of claim-mode jobs does not hold back the worker's other queues,
+nor the other way round: with backlogs of both, each has about half of the slots.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +52,12 @@ from .skips import SkipList
 from .slots import Slots
 
 log = logging.getLogger("skipjack.worker")
+
+# Seconds by which the server's end of an idle claim-mode transaction follows the lease, at
+# which a worker that is not stalled ends the claim itself (and counts the attempt).
+IDLE_TIMEOUT_MARGIN = 1.0
+# Seconds a handler thread whose claim was ended at its lease waits for the attempt's count.
+OVERDUE_COUNT_WAIT = 10.0
 
 # (queue, most jobs, claim-mode claim?) -> the claim statement's bind values
 ClaimParams = Callable[[str, int, bool], dict[str, Any]]
@@ -67,6 +83,22 @@ Recorded = tuple[Outcome | None, str | None, datetime | None]
 def _state(rows: list[Any]) -> tuple[str | None, datetime | None]:
     """(state, run_at) of the first row an outcome statement returned, or (None, None)."""
     return (rows[0][1], rows[0][2]) if rows else (None, None)
+
+
+class _Overdue:
+    """The watch on one claim-mode job's lease (armed on the event loop at the claim)."""
+
+    def __init__(self, job: Job, task: Task, pid: int) -> None:
+        self.job, self.task, self.pid = job, task, pid
+        self.timer: asyncio.TimerHandle | None = None
+        self.fired = False  # the lease passed: the claim's session is being ended
+        self.counted = threading.Event()  # the attempt's count was tried (``recorded``)
+        self.recorded: Recorded = (None, None, None)
+
+    def disarm(self) -> None:
+        """The claim's transaction ended (called on the event loop)."""
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 class ClaimModeRunners:
@@ -114,13 +146,14 @@ class ClaimModeRunners:
         self.task_names: list[str] = []
         self._skipped = SkipList()  # used from the handler threads, one claim at a time each
         self._idle_timeout_ms = 0
+        self._ending: set[asyncio.Task[None]] = set()  # claims being ended at their lease
 
     def prepare(self) -> None:
         """Read the app's claim-mode tasks (call when the worker starts)."""
         mine = [t for t in self._tasks.values() if t.transaction == "claim"]
         self.task_names = [t.name for t in mine]
-        self._idle_timeout_ms = int(1000 * max([t.lease or self._lease for t in mine],
-                                               default=0))
+        self._idle_timeout_ms = int(1000 * (IDLE_TIMEOUT_MARGIN + max(
+            [t.lease or self._lease for t in mine], default=0)))
 
     def wants_runner(self, queue: str) -> bool:
         """Whether to start a runner for ``queue`` (which may have claim-mode jobs): when a
@@ -142,6 +175,18 @@ class ClaimModeRunners:
         if self._waiting:
             self._freed.set()
 
+    def _gives_slot_back(self) -> bool:
+        """With claimed jobs waiting: whether runners hold more slots than the running jobs
+        (by two or more, so that an odd concurrency does not swap a slot at every job),
+        or every slot."""
+        runners, jobs = self._slots.claim_mode, len(self._slots.running)
+        return runners > jobs + 1 or not jobs
+
+    def _takes_one_more(self) -> bool:
+        """With claimed jobs waiting: whether runners hold fewer slots than the running jobs
+        (by two or more) and no runner waits for a slot yet."""
+        return self._slots.claim_mode + 1 < len(self._slots.running) and not self._waiting
+
     async def _wait_for_slot(self) -> None:
         """Wait until the slots in use, leaving out those of the runners waiting (this one
         among them), leave one free: then this runner's slot is within the concurrency.
@@ -160,22 +205,23 @@ class ClaimModeRunners:
             self.spawn(queue)
 
     async def _run(self, queue: str) -> None:
-        """Claim and run jobs one at a time until the queue has none for this runner."""
+        """Claim and run jobs one at a time until the queue has none for this runner, or
+        it gives its slot back to claimed jobs (``_gives_slot_back``)."""
         loop = asyncio.get_running_loop()
 
-        def grow(queue: str) -> None:  # called from the handler thread
+        def on_loop(fn: Callable[..., None], *args: Any) -> None:  # from the handler thread
             try:
-                loop.call_soon_threadsafe(self._grow, queue)
+                loop.call_soon_threadsafe(fn, *args)
             except RuntimeError:  # the loop is closed: the worker has stopped
                 pass
 
+        gave_back = False
         try:
-            if self._slots.busy() > self._slots.concurrency:  # started with no slot free
-                await self._wait_for_slot()
+            await self._wait_for_slot()  # at once unless it started with no slot free
             while not self._stopping.is_set():
                 try:
                     outcome, state, run_at = await self._executor.in_thread(
-                        functools.partial(self._once, queue, grow))
+                        functools.partial(self._once, queue, on_loop))
                 except _Skipped:
                     continue  # claim again, without that job
                 except psycopg.Error as exc:  # the transaction rolled back: the job is free
@@ -190,16 +236,80 @@ class ClaimModeRunners:
                     break
                 self._stats.claimed += 1
                 self._report.recorded(outcome, state, run_at)
+                if self._slots.ready:  # claimed jobs wait: share the slots with them
+                    if self._gives_slot_back():
+                        gave_back = self.due[queue] = True  # back in the queue's turn
+                        break
+                    if self._takes_one_more():
+                        self.spawn(queue)  # it takes the next slot to free
         finally:
             self._slots.claim_mode -= 1
             self.per_queue[queue] -= 1
             self._executor.fill()  # a buffered job may have waited for this slot
+            if (gave_back and not self.per_queue[queue] and not self._waiting
+                    and not self._stopping.is_set()):
+                self.spawn(queue)  # the queue's last runner: one takes the next slot to free
             self._on_slot_freed()
 
-    def _once(self, queue: str, on_claimed: Callable[[str], None]) -> Recorded:
+    def _claimed(self, queue: str, watch: _Overdue) -> None:
+        """On the event loop, after a claim: start one more runner while a slot is free, and
+        arm the watch on the job's lease."""
+        self._grow(queue)
+        watch.timer = asyncio.get_running_loop().call_later(watch.job.lease, self._overdue,
+                                                            watch)
+
+    def _overdue(self, watch: _Overdue) -> None:
+        """The job's lease has passed while its claim's transaction is open: end it."""
+        watch.fired = True
+        ending = asyncio.create_task(self._end_overdue(watch))
+        self._ending.add(ending)
+        ending.add_done_callback(self._ending.discard)
+
+    async def _end_overdue(self, watch: _Overdue) -> None:
+        """End the claim's session and count the attempt as timed out
+        (``END_OVERDUE_CLAIM``); the handler's thread, whose next statement fails, reports
+        that count (``Recorded``) as its attempt's."""
+        job, q = watch.job, self._db.queries
+        outcome = decide(job, watch.task, cancelled=(
+            "timed out", f"ran past its lease of {job.lease:g}s (transaction=\"claim\"): "
+                         f"its claim was ended"))
+        assert outcome is not None
+        watch.recorded = (outcome, None, None)  # until the count says the job's new state
+        try:
+            conn = await self._db.connect_async()
+            try:
+                async with conn.transaction():
+                    await conn.execute(q.OVERDUE_LOCK_TIMEOUT)
+                    sessions, *counted = (await (await conn.execute(q.END_OVERDUE_CLAIM, {
+                        "pid": watch.pid, "claimed_at": job.attempted_at, "id": job.id,
+                        "attempt": job.attempt, "delay": outcome.delay,
+                        "error": outcome.error})).fetchall())[0]
+            finally:
+                await conn.close()
+            if counted[0] is not None:
+                watch.recorded = (outcome, *_state([counted]))
+                log.error("job %s ran past its lease of %gs: its claim's transaction was ended "
+                          "and the attempt counted as timed out", job.id, job.lease)
+            elif sessions:
+                log.warning("job %s ran past its lease of %gs: its claim's transaction was "
+                            "ended; the job was claimed again before its attempt could be "
+                            "counted", job.id, job.lease)
+            else:  # the claim's transaction had ended (its handler committed it, or the server)
+                watch.fired = False
+                watch.recorded = (None, None, None)
+        except psycopg.Error as exc:
+            log.warning("job %s ran past its lease of %gs; ending its claim failed: %s",
+                        job.id, job.lease, str(exc).strip())
+        finally:
+            watch.counted.set()
+
+    def _once(self, queue: str, on_loop: Callable[..., None]) -> Recorded:
         """In a handler thread: claim one job in a transaction, run it, record the outcome in
         the same transaction, commit. Returns (outcome, new state, run_at), or (None, None,
         None) when the queue had no job.
+
+        A handler still running at its job's lease has its claim ended by the worker
+        (``_end_overdue``): the statement that then fails returns that count instead.
 
         A claim statement the database refuses skips its job for a while (see
         ``skipjack.runtime.skips``) and raises ``_Skipped``. A transaction that
@@ -213,6 +323,7 @@ class ClaimModeRunners:
         q, pool = self._db.queries, self._executor.pool
         assert pool is not None
         claimed: list[tuple[Job, Task]] = []
+        watch: _Overdue | None = None
         try:
             with pool.connection() as conn, conn.transaction():
                 conn.execute(q.SET_IDLE_TIMEOUT, {"ms": self._idle_timeout_ms})
@@ -222,9 +333,10 @@ class ClaimModeRunners:
                 row = conn.execute(q.CLAIM_IN_TRANSACTION, params).fetchone()
                 if row is None:
                     return None, None, None
-                on_claimed(queue)
                 job = Job.from_row(row)
                 task = self._tasks[job.task]
+                watch = _Overdue(job, task, conn.info.backend_pid)
+                on_loop(self._claimed, queue, watch)
                 claimed.append((job, task))
                 self._skipped.claimed(job.id)
                 set_current(JobContext(job, conn=conn))
@@ -237,12 +349,18 @@ class ClaimModeRunners:
                     self._leases.remove(job.id, job.lease_version)
             return (outcome, *_state(rows))
         except psycopg.Error as exc:
+            if watch is not None and watch.fired:  # the worker ended the claim at its lease
+                watch.counted.wait(OVERDUE_COUNT_WAIT)
+                return watch.recorded
             if connection_lost(exc):
                 raise
             if claimed:
                 return self._count_failed_commit(*claimed[0], exc)
             self._skip_first_candidate(queue, exc)
             raise _Skipped() from exc
+        finally:
+            if watch is not None:
+                on_loop(watch.disarm)
 
     def _run_and_record(self, conn: psycopg.Connection[Any], job: Job,
                         task: Task) -> tuple[Outcome, list[Any]]:

@@ -126,7 +126,10 @@ class Producer:
         """``_retry_delay`` seconds after a limited queue's claim came back short: claim
         from it again (its limit may have lifted)."""
         self._retrying.discard(queue)
-        self.mark_due(queue)
+        if queue in self.due:  # only its lease-mode claims: limits do not apply to claim mode
+            self.due[queue] = True
+            self._woken[queue] += 1
+            self.wakeup.set()
 
     def _poll(self) -> None:
         """The poll interval has passed: rescan every queue at the claim loop's next turn."""

@@ -51,7 +51,10 @@ class Slots:
     A slot is in use by a running job (``running``), by a claim-mode runner
     (``claim_mode``), or by a handler thread that the worker stopped waiting for but that
     has not returned yet (``stuck_threads``): claiming for it would only make a job wait
-    for a thread.
+    for a thread. A claim-mode runner's slot counts as free for claims (``room``): while
+    claimed jobs wait, runners give slots back after their jobs until they hold about as
+    many as the running jobs (``skipjack.runtime.claim_mode``), so that a steady stream of
+    claim-mode jobs cannot keep a worker's other queues from ever being claimed.
     """
 
     def __init__(self, concurrency: int, prefetch: int | None) -> None:
@@ -113,7 +116,9 @@ class Slots:
         return self._free()
 
     def _free(self) -> int:
-        """Free slots plus the buffer's free places; 0 while the buffer is over half full."""
+        """Free slots (those of claim-mode runners included) plus the buffer's free places;
+        0 while the buffer is over half full."""
         if self.ready and len(self.ready) > self.prefetch // 2:
             return 0
-        return self.concurrency + self.prefetch - self.busy() - len(self.ready)
+        return (self.concurrency + self.prefetch - len(self.running) - self.stuck_threads
+                - len(self.ready))

@@ -244,26 +244,52 @@ LIFT_IDLE_TIMEOUT = "SET idle_in_transaction_session_timeout = 0"
 LIFT_IDLE_TIMEOUT_LOCAL = "SET LOCAL idle_in_transaction_session_timeout = 0"
 
 # Claim-mode transactions: the server ends the session, rolling the claim back, if the
-# worker leaves the transaction idle longer than the job's lease.
+# worker leaves the transaction idle longer than the job's lease (plus a margin: a worker
+# that is not stalled ends it itself at the lease, with END_OVERDUE_CLAIM).
 SET_IDLE_TIMEOUT = """
 SELECT set_config('idle_in_transaction_session_timeout', %(ms)s::text, true)
 """
 
-# A claim-mode job whose handler rolled back its claim's transaction itself: the claim is
-# undone, so the failed attempt is counted here, with its error and retry delay (or the dead
-# letter if it was the last), unless another worker has claimed the job since (its state or
-# attempt count then differ).
-COUNT_UNDONE_ATTEMPT = """
+# The count of an attempt whose claim was undone: the job becomes scheduled for its retry
+# delay (or discarded if it was the last attempt), with the attempt's error.
+_COUNT_ATTEMPT = """
 UPDATE {schema}.jobs AS j
    SET attempt = j.attempt + 1,
        state = CASE WHEN j.attempt + 1 >= j.max_attempts THEN 'discarded' ELSE 'scheduled' END,
        run_at = now() + make_interval(secs => %(delay)s),
        finished_at = CASE WHEN j.attempt + 1 >= j.max_attempts THEN now() END,
        errors = j.errors || jsonb_build_array(%(error)s::jsonb
-                                              || jsonb_build_object('at', now()))
- WHERE j.id = %(id)s AND j.state = 'available' AND j.attempt = %(attempt)s - 1
+                                              || jsonb_build_object('at', now()))"""
+_UNDONE_CLAIM = "j.id = %(id)s AND j.state = 'available' AND j.attempt = %(attempt)s - 1"
+
+# A claim-mode job whose handler rolled back its claim's transaction itself: the claim is
+# undone, so the failed attempt is counted here, unless another worker has claimed the job
+# since (its state or attempt count then differ).
+COUNT_UNDONE_ATTEMPT = _COUNT_ATTEMPT + """
+ WHERE """ + _UNDONE_CLAIM + """
 RETURNING j.id, j.state, j.run_at
 """
+
+# A claim-mode job whose handler ran past its lease: the session that holds the claim is
+# ended (only while it is still in the claim's transaction, which began at the claim's
+# attempted_at: the connection may have gone back to the pool since), which rolls the claim
+# back, and the attempt is counted as timed out. The UPDATE waits for that rollback to
+# release the row (under OVERDUE_LOCK_TIMEOUT), so no other claim takes the job first. One
+# row: the sessions ended (0 or 1), then the job's id, state and run_at if it was counted.
+END_OVERDUE_CLAIM = """
+WITH ended AS (
+    SELECT count(pg_terminate_backend(a.pid)) AS sessions
+      FROM pg_stat_activity AS a
+     WHERE a.pid = %(pid)s AND a.xact_start = %(claimed_at)s
+), counted AS (""" + _COUNT_ATTEMPT + """
+      FROM ended
+     WHERE """ + _UNDONE_CLAIM + """
+    RETURNING j.id, j.state, j.run_at
+)
+SELECT ended.sessions, counted.id, counted.state, counted.run_at
+  FROM ended LEFT JOIN counted ON true
+"""
+OVERDUE_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '5s'"
 
 # The same job claimed again before that count: its error is added for people to see.
 NOTE_ERROR = """
