@@ -1145,6 +1145,32 @@ def test_a_claim_mode_handler_past_its_lease_uses_its_attempt(app: App, busy: st
     assert worker.stats.discarded == 1 and worker.stats.retried == 1
 
 
+def test_a_claim_mode_job_s_own_longer_lease_holds_off_the_server_s_idle_timeout(
+        app: App) -> None:
+    """A claim-mode job enqueued with a lease of 5 s, longer than its task's 1 s (which sets
+    the session's idle timeout to 2 s before the claim): its handler, idle for 3 s in the
+    claim's transaction, runs once and succeeds; the server does not end the claim at 2 s
+    (which undid it with no attempt counted, and the job ran again and again)."""
+    starts: list[float] = []
+
+    @app.task(name="longer", queue="q", transaction="claim", lease=1)
+    def longer() -> None:
+        starts.append(time.monotonic())
+        time.sleep(3)
+
+    job = longer.configure(lease=5).enqueue()
+    worker = Worker(app, ["q"], concurrency=2, heartbeat=0.3, poll_interval=0.2)
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
+    thread.start()
+    try:
+        final = wait_until(lambda: (j := app.get_job(job)) and j["state"] != "available" and j,
+                           what="the job ended")
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert (final["state"], final["attempt"], len(starts)) == ("succeeded", 1, 1)
+
+
 def test_a_limited_queue_has_one_retry_pending_at_a_time(
         app: App, monkeypatch: pytest.MonkeyPatch) -> None:
     """A limited queue whose claim came back short is claimed again LIMITED_RETRY seconds

@@ -9,7 +9,8 @@ session (the server rolls the claim back) and counts the attempt as timed out, s
 job is retried after its backoff and its attempts run out, rather than being claimed again
 at once, with no attempt counted, while the handler's thread still runs. The session's
 ``idle_in_transaction_session_timeout`` is the longest lease of these tasks plus
-``IDLE_TIMEOUT_MARGIN``, so the server ends the transaction of a worker that stalled.
+``IDLE_TIMEOUT_MARGIN`` (raised after the claim for a job whose own lease is longer), so
+the server ends the transaction of a worker that stalled.
 
 Runners grow with the work: each claim that finds a job starts one more runner while slots
 are free, and a runner ends when its queue has no job for it. While every slot is busy, a
@@ -335,6 +336,9 @@ class ClaimModeRunners:
                     return None, None, None
                 job = Job.from_row(row)
                 task = self._tasks[job.task]
+                idle_ms = int(1000 * (job.lease + IDLE_TIMEOUT_MARGIN))
+                if idle_ms > self._idle_timeout_ms:  # a job's own lease, longer than its task's
+                    conn.execute(q.SET_IDLE_TIMEOUT, {"ms": idle_ms})
                 watch = _Overdue(job, task, conn.info.backend_pid)
                 on_loop(self._claimed, queue, watch)
                 claimed.append((job, task))
