@@ -87,19 +87,54 @@ def _state(rows: list[Any]) -> tuple[str | None, datetime | None]:
 
 
 class _Overdue:
-    """The watch on one claim-mode job's lease (armed on the event loop at the claim)."""
+    """The watch on one claim-mode job's lease (armed on the event loop at the claim).
 
-    def __init__(self, job: Job, task: Task, pid: int) -> None:
-        self.job, self.task, self.pid = job, task, pid
+    Either the handler's thread reaches its commit first (``finishing``) or the lease runs
+    out first (``fire``), never both: a claim is never ended once its commit may have begun,
+    nor committed once its end has begun."""
+
+    def __init__(self, job: Job, task: Task, pid: int, lease: float) -> None:
+        self.job, self.task, self.pid, self.lease = job, task, pid, lease
         self.timer: asyncio.TimerHandle | None = None
-        self.fired = False  # the lease passed: the claim's session is being ended
-        self.counted = threading.Event()  # the attempt's count was tried (``recorded``)
+        self._lock = threading.Lock()
+        self._finishing = False
+        self.fired = False  # the lease ran out: the claim's session is being ended
+        self.counted = threading.Event()  # the end and the attempt's count were tried
         self.recorded: Recorded = (None, None, None)
+
+    def fire(self) -> bool:
+        """The lease ran out (on the event loop): whether the claim is to be ended."""
+        with self._lock:
+            self.fired = not self._finishing
+            return self.fired
+
+    def unfire(self) -> None:
+        """The claim's transaction had ended before its lease ran out (its handler
+        committed or rolled it back itself): nothing to end."""
+        with self._lock:
+            self.fired = False
+
+    def finishing(self) -> bool:
+        """The handler's thread is about to commit: whether it may (the lease has not run
+        out, or the claim's transaction had ended already)."""
+        with self._lock:
+            self._finishing = not self.fired
+        return not self.ended_at_lease()
+
+    def ended_at_lease(self) -> bool:
+        """Whether the worker ended the claim at its lease (waiting for that to be done)."""
+        if self.fired:
+            self.counted.wait(OVERDUE_COUNT_WAIT)
+        return self.fired
 
     def disarm(self) -> None:
         """The claim's transaction ended (called on the event loop)."""
         if self.timer is not None:
             self.timer.cancel()
+
+
+class _EndedAtLease(Exception):
+    """The claim's transaction was ended at its lease (``_Overdue``)."""
 
 
 class ClaimModeRunners:
@@ -144,10 +179,14 @@ class ClaimModeRunners:
         self.per_queue: Counter[str] = Counter()  # runners of each queue
         self._freed = asyncio.Event()  # a slot freed: a runner waiting for one may go on
         self._waiting = 0  # runners waiting for a slot (each counted in Slots.claim_mode)
+        self._rejoin: set[str] = set()  # queues whose last runner gave its slot back
         self.task_names: list[str] = []
         self._skipped = SkipList()  # used from the handler threads, one claim at a time each
         self._idle_timeout_ms = 0
         self._ending: set[asyncio.Task[None]] = set()  # claims being ended at their lease
+        # their jobs, skipped by this worker's claim-mode claims until counted (replaced, not
+        # changed in place: the handler threads read it)
+        self._ending_ids: frozenset[int] = frozenset()
 
     def prepare(self) -> None:
         """Read the app's claim-mode tasks (call when the worker starts)."""
@@ -246,62 +285,80 @@ class ClaimModeRunners:
         finally:
             self._slots.claim_mode -= 1
             self.per_queue[queue] -= 1
+            jobs = len(self._slots.running)
             self._executor.fill()  # a buffered job may have waited for this slot
-            if (gave_back and not self.per_queue[queue] and not self._waiting
-                    and not self._stopping.is_set()):
-                self.spawn(queue)  # the queue's last runner: one takes the next slot to free
+            if gave_back and not self.per_queue[queue]:
+                self._rejoin.add(queue)
+            if len(self._slots.running) > jobs and self._rejoin and not self._stopping.is_set():
+                # a buffered job took this slot: a queue whose last runner gave its slot back
+                # gets one that takes the next slot to free (at concurrency 1: turns)
+                rejoining = self._rejoin.pop()
+                if not self.per_queue[rejoining]:
+                    self.spawn(rejoining)
             self._on_slot_freed()
+
+    def _lease_of(self, job: Job, task: Task) -> float:
+        """Seconds a claim-mode job's handler may run: the job's own lease, else its task's,
+        else the worker's. ``job.lease`` holds the worker's for a job with none of its own
+        (enqueued by name, without the task's options), so one equal to the worker's lease
+        yields to the task's."""
+        return task.lease if task.lease is not None and job.lease == self._lease else job.lease
 
     def _claimed(self, queue: str, watch: _Overdue) -> None:
         """On the event loop, after a claim: start one more runner while a slot is free, and
         arm the watch on the job's lease."""
         self._grow(queue)
-        watch.timer = asyncio.get_running_loop().call_later(watch.job.lease, self._overdue,
+        watch.timer = asyncio.get_running_loop().call_later(watch.lease, self._overdue,
                                                             watch)
 
     def _overdue(self, watch: _Overdue) -> None:
-        """The job's lease has passed while its claim's transaction is open: end it."""
-        watch.fired = True
-        ending = asyncio.create_task(self._end_overdue(watch))
-        self._ending.add(ending)
-        ending.add_done_callback(self._ending.discard)
+        """The job's lease has run out while its claim's transaction is open: end it."""
+        if watch.fire():
+            ending = asyncio.create_task(self._end_overdue(watch))
+            self._ending.add(ending)
+            ending.add_done_callback(self._ending.discard)
 
     async def _end_overdue(self, watch: _Overdue) -> None:
         """End the claim's session and count the attempt as timed out
-        (``END_OVERDUE_CLAIM``); the handler's thread, whose next statement fails, reports
-        that count (``Recorded``) as its attempt's."""
+        (``END_OVERDUE_CLAIM``), if the claim's transaction is still open
+        (``CLAIM_OPEN``); the handler's thread reports that count (``Recorded``) as its
+        attempt's. Meanwhile this worker's runners skip the job, so none of them claims it
+        between the claim's rollback and the count (another worker's claim still may, in
+        that instant: its run then has the same attempt number)."""
         job, q = watch.job, self._db.queries
         outcome = decide(job, watch.task, cancelled=(
-            "timed out", f"ran past its lease of {job.lease:g}s (transaction=\"claim\"): "
+            "timed out", f"ran past its lease of {watch.lease:g}s (transaction=\"claim\"): "
                          f"its claim was ended"))
         assert outcome is not None
         watch.recorded = (outcome, None, None)  # until the count says the job's new state
+        claim = {"pid": watch.pid, "claimed_at": job.attempted_at}
+        self._ending_ids = self._ending_ids | {job.id}
         try:
             conn = await self._db.connect_async()
             try:
+                if not (await (await conn.execute(q.CLAIM_OPEN, claim)).fetchone() or [0])[0]:
+                    watch.unfire()  # its handler committed or rolled it back itself
+                    return
                 async with conn.transaction():
                     await conn.execute(q.OVERDUE_LOCK_TIMEOUT)
-                    sessions, *counted = (await (await conn.execute(q.END_OVERDUE_CLAIM, {
-                        "pid": watch.pid, "claimed_at": job.attempted_at, "id": job.id,
-                        "attempt": job.attempt, "delay": outcome.delay,
+                    ended, *counted = (await (await conn.execute(q.END_OVERDUE_CLAIM, {
+                        **claim, "id": job.id, "attempt": job.attempt, "delay": outcome.delay,
                         "error": outcome.error})).fetchall())[0]
             finally:
                 await conn.close()
             if counted[0] is not None:
                 watch.recorded = (outcome, *_state([counted]))
                 log.error("job %s ran past its lease of %gs: its claim's transaction was ended "
-                          "and the attempt counted as timed out", job.id, job.lease)
-            elif sessions:
-                log.warning("job %s ran past its lease of %gs: its claim's transaction was "
-                            "ended; the job was claimed again before its attempt could be "
-                            "counted", job.id, job.lease)
-            else:  # the claim's transaction had ended (its handler committed it, or the server)
-                watch.fired = False
-                watch.recorded = (None, None, None)
+                          "and the attempt counted as timed out", job.id, watch.lease)
+            else:
+                log.warning("job %s ran past its lease of %gs: its claim's transaction %s; "
+                            "the job was claimed again before its attempt could be counted",
+                            job.id, watch.lease, "was ended" if ended else "had ended")
         except psycopg.Error as exc:
             log.warning("job %s ran past its lease of %gs; ending its claim failed: %s",
-                        job.id, job.lease, str(exc).strip())
+                        job.id, watch.lease, str(exc).strip())
         finally:
+            self._ending_ids = self._ending_ids - {job.id}
             watch.counted.set()
 
     def _once(self, queue: str, on_loop: Callable[..., None]) -> Recorded:
@@ -329,17 +386,19 @@ class ClaimModeRunners:
             with pool.connection() as conn, conn.transaction():
                 conn.execute(q.SET_IDLE_TIMEOUT, {"ms": self._idle_timeout_ms})
                 params = self._claim_params(queue, 1, True)
-                if self._skipped:
-                    params["skip"] = number_array(self._skipped.ids())
+                ending = self._ending_ids
+                if self._skipped or ending:
+                    params["skip"] = number_array(self._skipped.ids() + list(ending))
                 row = conn.execute(q.CLAIM_IN_TRANSACTION, params).fetchone()
                 if row is None:
                     return None, None, None
                 job = Job.from_row(row)
                 task = self._tasks[job.task]
-                idle_ms = int(1000 * (job.lease + IDLE_TIMEOUT_MARGIN))
+                lease = self._lease_of(job, task)
+                idle_ms = int(1000 * (lease + IDLE_TIMEOUT_MARGIN))
                 if idle_ms > self._idle_timeout_ms:  # a job's own lease, longer than its task's
                     conn.execute(q.SET_IDLE_TIMEOUT, {"ms": idle_ms})
-                watch = _Overdue(job, task, conn.info.backend_pid)
+                watch = _Overdue(job, task, conn.info.backend_pid, lease)
                 on_loop(self._claimed, queue, watch)
                 claimed.append((job, task))
                 self._skipped.claimed(job.id)
@@ -351,11 +410,13 @@ class ClaimModeRunners:
                     outcome, rows = self._run_and_record(conn, job, task)
                 finally:
                     self._leases.remove(job.id, job.lease_version)
+                if not watch.finishing():  # its session has been ended: no commit
+                    raise _EndedAtLease()
             return (outcome, *_state(rows))
-        except psycopg.Error as exc:
-            if watch is not None and watch.fired:  # the worker ended the claim at its lease
-                watch.counted.wait(OVERDUE_COUNT_WAIT)
+        except (psycopg.Error, _EndedAtLease) as exc:
+            if watch is not None and watch.ended_at_lease():
                 return watch.recorded
+            assert isinstance(exc, psycopg.Error)
             if connection_lost(exc):
                 raise
             if claimed:

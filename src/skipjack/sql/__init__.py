@@ -112,6 +112,7 @@ class Queries:
     CLAIM_CANDIDATES_OLDEST = Statement(claim.CLAIM_CANDIDATES_OLDEST)
     CLAIM_BY_ID = Statement(claim.CLAIM_BY_ID)
     COUNT_UNDONE_ATTEMPT = Statement(claim.COUNT_UNDONE_ATTEMPT)
+    CLAIM_OPEN = Statement(claim.CLAIM_OPEN)
     END_OVERDUE_CLAIM = Statement(claim.END_OVERDUE_CLAIM)
     OVERDUE_LOCK_TIMEOUT = Statement(claim.OVERDUE_LOCK_TIMEOUT)
     NOTE_ERROR = Statement(claim.NOTE_ERROR)

@@ -250,40 +250,48 @@ SET_IDLE_TIMEOUT = """
 SELECT set_config('idle_in_transaction_session_timeout', %(ms)s::text, true)
 """
 
-# The count of an attempt whose claim was undone: the job becomes scheduled for its retry
-# delay (or discarded if it was the last attempt), with the attempt's error.
-_COUNT_ATTEMPT = """
+# A claim-mode job whose claim was undone (its handler rolled back the claim's transaction
+# itself, or the worker ended it at the lease): the failed attempt is counted here, with its
+# error and retry delay (or the dead letter if it was the last), unless another worker has
+# claimed the job since (its state or attempt count then differ).
+COUNT_UNDONE_ATTEMPT = """
 UPDATE {schema}.jobs AS j
    SET attempt = j.attempt + 1,
        state = CASE WHEN j.attempt + 1 >= j.max_attempts THEN 'discarded' ELSE 'scheduled' END,
        run_at = now() + make_interval(secs => %(delay)s),
        finished_at = CASE WHEN j.attempt + 1 >= j.max_attempts THEN now() END,
        errors = j.errors || jsonb_build_array(%(error)s::jsonb
-                                              || jsonb_build_object('at', now()))"""
-_UNDONE_CLAIM = "j.id = %(id)s AND j.state = 'available' AND j.attempt = %(attempt)s - 1"
-
-# A claim-mode job whose handler rolled back its claim's transaction itself: the claim is
-# undone, so the failed attempt is counted here, unless another worker has claimed the job
-# since (its state or attempt count then differ).
-COUNT_UNDONE_ATTEMPT = _COUNT_ATTEMPT + """
- WHERE """ + _UNDONE_CLAIM + """
+                                              || jsonb_build_object('at', now()))
+ WHERE j.id = %(id)s AND j.state = 'available' AND j.attempt = %(attempt)s - 1
 RETURNING j.id, j.state, j.run_at
 """
 
-# A claim-mode job whose handler ran past its lease: the session that holds the claim is
-# ended (only while it is still in the claim's transaction, which began at the claim's
-# attempted_at: the connection may have gone back to the pool since), which rolls the claim
-# back, and the attempt is counted as timed out. The UPDATE waits for that rollback to
-# release the row (under OVERDUE_LOCK_TIMEOUT), so no other claim takes the job first. One
-# row: the sessions ended (0 or 1), then the job's id, state and run_at if it was counted.
+# A claim-mode job whose handler ran past its lease: CLAIM_OPEN tells whether the claim's
+# session is still in the claim's transaction (which began at the claim's attempted_at; the
+# connection may be back in the pool, or the handler may have ended the transaction itself).
+# If so, END_OVERDUE_CLAIM ends that session (again only while it is in that transaction),
+# which rolls the claim back, and counts the attempt as COUNT_UNDONE_ATTEMPT does (the
+# UPDATE waits for the rollback to release the row, under OVERDUE_LOCK_TIMEOUT). One row:
+# the sessions ended (0 or 1), then the job's id, state and run_at if it was counted.
+CLAIM_OPEN = """
+SELECT count(*) FROM pg_stat_activity WHERE pid = %(pid)s AND xact_start = %(claimed_at)s
+"""
 END_OVERDUE_CLAIM = """
 WITH ended AS (
     SELECT count(pg_terminate_backend(a.pid)) AS sessions
       FROM pg_stat_activity AS a
      WHERE a.pid = %(pid)s AND a.xact_start = %(claimed_at)s
-), counted AS (""" + _COUNT_ATTEMPT + """
+), counted AS (
+    UPDATE {schema}.jobs AS j
+       SET attempt = j.attempt + 1,
+           state = CASE WHEN j.attempt + 1 >= j.max_attempts THEN 'discarded'
+                        ELSE 'scheduled' END,
+           run_at = now() + make_interval(secs => %(delay)s),
+           finished_at = CASE WHEN j.attempt + 1 >= j.max_attempts THEN now() END,
+           errors = j.errors || jsonb_build_array(%(error)s::jsonb
+                                                  || jsonb_build_object('at', now()))
       FROM ended
-     WHERE """ + _UNDONE_CLAIM + """
+     WHERE j.id = %(id)s AND j.state = 'available' AND j.attempt = %(attempt)s - 1
     RETURNING j.id, j.state, j.run_at
 )
 SELECT ended.sessions, counted.id, counted.state, counted.run_at
