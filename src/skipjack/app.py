@@ -353,7 +353,7 @@ class App(Admin):
                 the handler's writes commit exactly once (see ``skipjack.transactional``).
                 ``"claim"``: the job is claimed in a transaction
                 that stays open while the handler runs (sync handlers only) and commits with
-                the outcome. No lease or rescue is involved: if the worker dies, PostgreSQL
+                the outcome. No rescue is involved: if the worker dies, PostgreSQL
                 rolls back and the job is available again. The handler must finish within
                 its lease: past it the worker ends the claim's session and counts the
                 attempt as timed out; the session's ``idle_in_transaction_session_timeout``

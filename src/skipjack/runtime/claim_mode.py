@@ -3,11 +3,11 @@
 A runner claims one job in a transaction, runs its (sync) handler in a thread with
 ``current_job().conn`` on that transaction (the handler's writes in a savepoint, so a failed
 handler's writes roll back), records the outcome in the same transaction and commits. A crashed
-worker's job is free again at once: PostgreSQL rolls the claim back. No lease or rescue is
-involved. A handler must end within its job's lease: past it the worker ends the claim's
-session (the server rolls the claim back) and counts the attempt as timed out, so that the
-job is retried after its backoff and its attempts run out, rather than being claimed again
-at once, with no attempt counted, while the handler's thread still runs. The session's
+worker's job is free again at once: PostgreSQL rolls the claim back, with no rescue. The
+lease bounds the handler instead: past its job's lease the worker ends the claim's session
+(the server rolls the claim back) and counts the attempt as timed out, so that the job is
+retried after its backoff and its attempts run out, rather than being claimed again at once,
+with no attempt counted, while the handler's thread still runs. The session's
 ``idle_in_transaction_session_timeout`` is the longest lease of these tasks plus
 ``IDLE_TIMEOUT_MARGIN`` (raised after the claim for a job whose own lease is longer), so
 the server ends the transaction of a worker that stalled.
