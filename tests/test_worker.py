@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -868,18 +870,13 @@ def test_jobs_that_came_without_a_wake_up_are_claimed_at_every_poll(app: App) ->
         ran.append(n)
 
     worker = Worker(app, ["q"], concurrency=1, poll_interval=0.2)
-    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
-    thread.start()
-    try:
+    with _running(worker):
         for n in (1, 2, 3):  # 2 and 3 come after the worker's first claims, in turn
             query(app.dsn, "INSERT INTO {schema}.jobs (queue, task, args) "
                   "VALUES ('q', 'rec', jsonb_build_object('n', %s::int))", [n],
                   schema=app.schema)
             wait_until(functools.partial(operator.contains, ran, n), timeout=30,
                        what=f"job {n} run after a poll")
-    finally:
-        worker.stop()
-        thread.join(30)
     assert ran == [1, 2, 3]
 
 
@@ -1090,10 +1087,8 @@ def test_claim_mode_jobs_and_others_share_the_slots(app: App, prefetch: int | No
     app.enqueue_many(stream.job() for _ in range(2000))
     app.enqueue_many(other.job() for _ in range(2000))
     worker = Worker(app, ["c", "l"], concurrency=4, prefetch=prefetch, poll_interval=0.2)
-    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
-    thread.start()
     slots = worker._slots
-    try:
+    with _running(worker):
         wait_until(lambda: worker.stats.succeeded >= 100 and query(
             app.dsn, "SELECT count(*) FROM {schema}.jobs WHERE task = 'other' AND state = "
             "'succeeded'", schema=app.schema)[0][0] >= 100, timeout=60,
@@ -1101,9 +1096,6 @@ def test_claim_mode_jobs_and_others_share_the_slots(app: App, prefetch: int | No
         wait_until(lambda: (slots.claim_mode, len(slots.running)) == (2, 2),
                    what="two slots each")
         left = states(app.dsn, app.schema).get("available", 0)
-    finally:
-        worker.stop()
-        thread.join(30)
     assert left > 1000  # neither backlog had been run through first
 
 
@@ -1131,14 +1123,9 @@ def test_a_claim_mode_handler_past_its_lease_uses_its_attempt(app: App, busy: st
     job = overdue.enqueue()
     worker = Worker(app, ["q"], concurrency=2, heartbeat=0.3, poll_interval=0.2,
                     stage_interval=0.2)
-    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
-    thread.start()
-    try:
+    with _running(worker):
         final = wait_until(lambda: (j := app.get_job(job)) and j["state"] == "discarded" and j,
                            timeout=45, what="the job discarded after its two attempts")
-    finally:
-        worker.stop()
-        thread.join(30)
     assert final["attempt"] == 2
     assert len(starts) == 2
     assert all("past its lease of 1s" in e["error"] for e in final["errors"]), final["errors"]
@@ -1160,14 +1147,9 @@ def test_a_claim_mode_job_s_own_longer_lease_holds_off_the_server_s_idle_timeout
 
     job = longer.configure(lease=5).enqueue()
     worker = Worker(app, ["q"], concurrency=2, heartbeat=0.3, poll_interval=0.2)
-    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
-    thread.start()
-    try:
+    with _running(worker):
         final = wait_until(lambda: (j := app.get_job(job)) and j["state"] != "available" and j,
                            what="the job ended")
-    finally:
-        worker.stop()
-        thread.join(30)
     assert (final["state"], final["attempt"], len(starts)) == ("succeeded", 1, 1)
 
 
@@ -1243,15 +1225,10 @@ def test_a_limited_queue_s_retries_start_no_claim_mode_runner(
 
     worker._producer._retry = counted_retry  # type: ignore[method-assign]
     worker._claim_mode.spawn = counted_spawn  # type: ignore[method-assign]
-    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
-    thread.start()
-    try:
+    with _running(worker):
         wait_until(lambda: retries[0] >= 3, what="three retries of the idle limited queue")
         seen = spawns[0]  # the start's (every queue due at first, and once listening)
         wait_until(lambda: retries[0] >= 13, what="ten more retries")
-    finally:
-        worker.stop()
-        thread.join(30)
     assert spawns[0] == seen
 
 
@@ -1269,13 +1246,8 @@ def test_fairness_reaches_low_priorities_on_a_limited_queue(app: App) -> None:
     for n in (1, 2, 3, 4):
         rec.configure(priority=100).enqueue(n=n)
     worker = Worker(app, ["q"], concurrency=1, prefetch=0, fairness_every=2, poll_interval=0.2)
-    thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
-    thread.start()
-    try:
+    with _running(worker):
         wait_until(lambda: len(order) == 5, what="five jobs run")
-    finally:
-        worker.stop()
-        thread.join(30)
     assert order == [1, 0, 2, 3, 4]  # claim 2 took the oldest; strict priority: 0 last
 
 
@@ -1331,10 +1303,17 @@ def _claim_sizes(app: App) -> list[int]:
 
 
 def _run_worker_until(worker: Worker, done: Any) -> None:
+    with _running(worker):
+        wait_until(done, timeout=120, what="the jobs done")
+
+
+@contextlib.contextmanager
+def _running(worker: Worker) -> Iterator[None]:
+    """Run ``worker`` in a thread of its own for the block; then stop it and wait for it."""
     thread = threading.Thread(target=lambda: asyncio.run(worker.run_async()))
     thread.start()
     try:
-        wait_until(done, timeout=120, what="the jobs done")
+        yield
     finally:
         worker.stop()
         thread.join(30)
