@@ -95,10 +95,13 @@ class Producer:
         self._oldest = False  # whether the last claim was oldest-first
         self._poll_due = False  # the poll interval has passed (``_poll``)
 
-    def mark_due(self, queue: str) -> None:
-        """``queue`` may have runnable jobs now (a notification, or the stager made some)."""
+    def mark_due(self, queue: str, claim_mode: bool = True) -> None:
+        """``queue`` may have runnable jobs now (a notification, or the stager made some);
+        with ``claim_mode`` False, only jobs for its lease-mode claims."""
         if queue in self.due:
-            self.due[queue] = self._claim_mode.due[queue] = True
+            self.due[queue] = True
+            if claim_mode:
+                self._claim_mode.due[queue] = True
             self._woken[queue] += 1
             self.wakeup.set()
 
@@ -126,10 +129,7 @@ class Producer:
         """``_retry_delay`` seconds after a limited queue's claim came back short: claim
         from it again (its limit may have lifted)."""
         self._retrying.discard(queue)
-        if queue in self.due:  # only its lease-mode claims: limits do not apply to claim mode
-            self.due[queue] = True
-            self._woken[queue] += 1
-            self.wakeup.set()
+        self.mark_due(queue, claim_mode=False)  # limits do not apply to claim-mode jobs
 
     def _poll(self) -> None:
         """The poll interval has passed: rescan every queue at the claim loop's next turn."""
