@@ -150,10 +150,13 @@ async def async_effect(seconds: float = 0.0) -> None:
 
 
 @app.task(name="held_effect", transaction="claim", lease=2.0)
-def held_effect(seconds: float = 0.0) -> None:
-    """Runs inside its claim's transaction (transaction="claim")."""
+def held_effect(seconds: float = 0.0, in_statement: bool = False) -> None:
+    """Runs inside its claim's transaction (transaction="claim"); on its first start takes
+    ``seconds``, asleep or in a statement of that transaction."""
     log_event("start")
-    time.sleep(seconds if _starts() == 1 else 0)
+    if _starts() == 1 and in_statement:
+        current_job().conn.execute("SELECT pg_sleep(%s)", [seconds])
+    time.sleep(seconds if _starts() == 1 and not in_statement else 0)
     _write_effect(current_job().conn)
     log_event("finish")
 

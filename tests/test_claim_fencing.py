@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from typing import Any
 
 import psycopg
@@ -16,7 +17,7 @@ from skipjack.runtime.maintenance import GrowthAnalysis, rescue
 from skipjack.sql import claim as queries
 from skipjack.sql.outcomes import FEW_OUTCOMES, PLANNED_OUTCOMES, PREPARE_HEARTBEAT
 
-from support import query, undo_claim
+from support import query, undo_claim, wait_until
 
 
 def claim_params(**overrides: Any) -> dict[str, Any]:
@@ -534,3 +535,42 @@ def test_batches_of_outcomes_and_heartbeats_on_a_growing_table_look_rows_up_by_k
                            "WHERE state = 'running'", schema=app.schema)
         for plan in one_batch():
             assert "jobs_pkey" in plan and "jobs_running_idx" not in plan, plan
+
+
+def test_no_claim_takes_an_overdue_claim_mode_job_before_its_attempt_is_counted(
+        app: App) -> None:
+    """A claim-mode job's claim is undone while a session waits for the job's claim lock (as
+    the worker does before it ends an overdue claim's session): that session is handed the
+    lock with the rollback, so a claim-mode claim made before it has counted the attempt
+    passes over the job (before, it took the job, whose run then had the same attempt
+    number), and the attempt is counted."""
+
+    @app.task(name="held", queue="q", transaction="claim")
+    def held() -> None:
+        pass
+
+    job_id = held.enqueue()
+    key = queries.claim_lock_key(app.schema)
+    params = claim_params(limit=1, claim_mode_tasks=["held"], claim_mode=True, claim_lock=key)
+    with app.connect() as claimer, app.connect() as waiter, app.connect() as other:
+        with claimer.transaction():
+            assert [r[0] for r in claimer.execute(app.queries.CLAIM_IN_TRANSACTION,
+                                                  params)] == [job_id]
+            waiter.execute("BEGIN")
+            taking = threading.Thread(target=waiter.execute, args=(
+                app.queries.TAKE_CLAIM_LOCK, {"claim_lock": key, "id": job_id}))
+            taking.start()
+            wait_until(lambda: other.execute(app.queries.CLAIM_LOCK_AWAITED, {
+                "waiter": waiter.info.backend_pid}).fetchone() == (1,),
+                what="the waiting session queued for the claim lock")
+            raise psycopg.Rollback()  # the claim undone, as when its session is ended
+        taking.join(10)
+        assert not taking.is_alive()
+        with other.transaction():
+            assert other.execute(app.queries.CLAIM_IN_TRANSACTION, params).fetchall() == []
+        counted = waiter.execute(app.queries.COUNT_UNDONE_ATTEMPT, {
+            "id": job_id, "attempt": 1, "delay": 0.0, "error": json.dumps({"error": "x"})})
+        assert [r[1] for r in counted] == ["scheduled"]
+        waiter.execute("COMMIT")
+    job = row(app, job_id)
+    assert (job["state"], job["attempt"], len(job["errors"])) == ("scheduled", 1, 1)

@@ -231,6 +231,29 @@ def test_held_claim_rolls_back_on_sigkill(tasks: App, tmp_path: Path) -> None:
     assert exec_counts(tasks.dsn, tasks.schema) == {job_id: 2}
 
 
+def test_held_claim_of_a_killed_worker_in_a_statement_is_ended_by_the_server(
+        tasks: App, tmp_path: Path) -> None:
+    """SIGKILL while the claim's handler waits on a 600 s statement of the claim's
+    transaction: the server sees no client until that statement ends, but it cancels it at
+    the job's lease (2 s) plus 1 s, the claim is rolled back and the next worker runs the
+    job, whose effect commits once. (Before, the job was held for the 600 s.)"""
+    (job_id,) = enqueue(tasks, "held_effect", seconds=600, in_statement=True)
+    args = ["--lease", "30", "--heartbeat", "0.5", "--rescue-interval", "60"]
+    a = WorkerProcess(tasks.dsn, tasks.schema, ["default"], *args, log=tmp_path / "a.log")
+    try:
+        wait_until(lambda: query(tasks.dsn, "SELECT count(*) FROM pg_stat_activity WHERE "
+                                 "datname = current_database() AND query LIKE "
+                                 "'SELECT pg_sleep%%'")[0][0] == 1,
+                   timeout=30, what="the held job's statement running")
+    finally:
+        a.kill()
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *args, log=tmp_path / "b.log"):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=60,
+                   what="the second worker ran it")
+    assert effect_counts(tasks.dsn, tasks.schema) == {job_id: 1}
+    assert exec_counts(tasks.dsn, tasks.schema) == {job_id: 2}
+
+
 def test_held_claim_of_a_stalled_worker_is_ended_by_the_server(tasks: App,
                                                                tmp_path: Path) -> None:
     """SIGSTOP: the session sits idle in its transaction past the job's 2 s lease, the server

@@ -7,10 +7,13 @@ worker's job is free again at once: PostgreSQL rolls the claim back, with no res
 lease bounds the handler instead: past its job's lease the worker ends the claim's session
 (the server rolls the claim back) and counts the attempt as timed out, so that the job is
 retried after its backoff and its attempts run out, rather than being claimed again at once,
-with no attempt counted, while the handler's thread still runs. The session's
-``idle_in_transaction_session_timeout`` is the longest lease of these tasks plus
-``IDLE_TIMEOUT_MARGIN`` (raised after the claim for a job whose own lease is longer), so
-the server ends the transaction of a worker that stalled.
+with no attempt counted, while the handler's thread still runs. No claim takes the job
+between the claim's end and that count (see ``END_OVERDUE_CLAIM`` in
+``skipjack.sql.claim``). The server's timeouts of the claim's transaction (idle in it, one
+statement, from PostgreSQL 17 on the whole transaction) are the longest lease of these tasks
+plus ``SERVER_TIMEOUT_MARGIN`` (raised after the claim for a job whose own lease is longer),
+so the server ends the transaction of a worker that stalled, and cancels a statement left
+running by a worker that was killed.
 
 Runners grow with the work: each claim that finds a job starts one more runner while slots
 are free, and a runner ends when its queue has no job for it. While every slot is busy, a
@@ -46,6 +49,7 @@ from ..errors import ArgumentsError, HandlerTransactionError
 from ..hooks import Hooks
 from ..outcome import DEFAULT_BACKOFF, Outcome, decide, outcome_params
 from ..sql.arrays import number_array
+from ..sql.claim import claim_lock_key
 from .executor import ENDED, Executor, check_handler_transaction, transaction_now
 from .heartbeat import Leases
 from .report import Reporter, WorkerStats
@@ -54,11 +58,13 @@ from .slots import Slots
 
 log = logging.getLogger("skipjack.worker")
 
-# Seconds by which the server's end of an idle claim-mode transaction follows the lease, at
+# Seconds by which the server's timeouts of a claim-mode transaction follow the lease, at
 # which a worker that is not stalled ends the claim itself (and counts the attempt).
-IDLE_TIMEOUT_MARGIN = 1.0
+SERVER_TIMEOUT_MARGIN = 1.0
 # Seconds a handler thread whose claim was ended at its lease waits for the attempt's count.
 OVERDUE_COUNT_WAIT = 10.0
+# Seconds the worker waits for its session to queue for an overdue job's claim lock.
+LOCK_QUEUE_WAIT = 5.0
 
 # (queue, most jobs, claim-mode claim?) -> the claim statement's bind values
 ClaimParams = Callable[[str, int, bool], dict[str, Any]]
@@ -182,17 +188,17 @@ class ClaimModeRunners:
         self._rejoin: set[str] = set()  # queues whose last runner gave its slot back
         self.task_names: list[str] = []
         self._skipped = SkipList()  # used from the handler threads, one claim at a time each
-        self._idle_timeout_ms = 0
+        self._timeout_ms = 0
+        # the server's statement and transaction timeouts (ms, 0: none), read once
+        self._server_timeouts: dict[str, int] | None = None
+        self._claim_lock = claim_lock_key(db.schema)
         self._ending: set[asyncio.Task[None]] = set()  # claims being ended at their lease
-        # their jobs, skipped by this worker's claim-mode claims until counted (replaced, not
-        # changed in place: the handler threads read it)
-        self._ending_ids: frozenset[int] = frozenset()
 
     def prepare(self) -> None:
         """Read the app's claim-mode tasks (call when the worker starts)."""
         mine = [t for t in self._tasks.values() if t.transaction == "claim"]
         self.task_names = [t.name for t in mine]
-        self._idle_timeout_ms = int(1000 * (IDLE_TIMEOUT_MARGIN + max(
+        self._timeout_ms = int(1000 * (SERVER_TIMEOUT_MARGIN + max(
             [t.lease or self._lease for t in mine], default=0)))
 
     def wants_runner(self, queue: str) -> bool:
@@ -319,12 +325,13 @@ class ClaimModeRunners:
             ending.add_done_callback(self._ending.discard)
 
     async def _end_overdue(self, watch: _Overdue) -> None:
-        """End the claim's session and count the attempt as timed out
-        (``END_OVERDUE_CLAIM``), if the claim's transaction is still open
-        (``CLAIM_OPEN``); the handler's thread reports that count (``Recorded``) as its
-        attempt's. Meanwhile this worker's runners skip the job, so none of them claims it
-        between the claim's rollback and the count (another worker's claim still may, in
-        that instant: its run then has the same attempt number)."""
+        """End the claim's session and count the attempt as timed out, if the claim's
+        transaction is still open (``CLAIM_OPEN``); the handler's thread reports that count
+        (``Recorded``) as its attempt's. One session queues for the job's claim lock, held by
+        the claim's transaction; then another ends the claim's session. The server hands the
+        lock to the waiting session as it rolls the claim back, so no claim takes the job
+        before that session has counted the attempt (see ``END_OVERDUE_CLAIM`` in
+        ``skipjack.sql.claim``)."""
         job, q = watch.job, self._db.queries
         outcome = decide(job, watch.task, cancelled=(
             "timed out", f"ran past its lease of {watch.lease:g}s (transaction=\"claim\"): "
@@ -332,34 +339,68 @@ class ClaimModeRunners:
         assert outcome is not None
         watch.recorded = (outcome, None, None)  # until the count says the job's new state
         claim = {"pid": watch.pid, "claimed_at": job.attempted_at}
-        self._ending_ids = self._ending_ids | {job.id}
         try:
-            conn = await self._db.connect_async()
+            checker = await self._db.connect_async()
             try:
-                if not (await (await conn.execute(q.CLAIM_OPEN, claim)).fetchone() or [0])[0]:
+                if not (await (await checker.execute(q.CLAIM_OPEN, claim)).fetchone() or [0])[0]:
                     watch.unfire()  # its handler committed or rolled it back itself
                     return
-                async with conn.transaction():
-                    await conn.execute(q.OVERDUE_LOCK_TIMEOUT)
-                    ended, *counted = (await (await conn.execute(q.END_OVERDUE_CLAIM, {
-                        **claim, "id": job.id, "attempt": job.attempt, "delay": outcome.delay,
-                        "error": outcome.error})).fetchall())[0]
+                ended, counted = await self._end_and_count(checker, watch, outcome)
             finally:
-                await conn.close()
-            if counted[0] is not None:
-                watch.recorded = (outcome, *_state([counted]))
+                await checker.close()
+            if counted:
+                watch.recorded = (outcome, *_state(counted))
                 log.error("job %s ran past its lease of %gs: its claim's transaction was ended "
                           "and the attempt counted as timed out", job.id, watch.lease)
             else:
                 log.warning("job %s ran past its lease of %gs: its claim's transaction %s; "
-                            "the job was claimed again before its attempt could be counted",
+                            "the attempt was counted before, or the job claimed again",
                             job.id, watch.lease, "was ended" if ended else "had ended")
         except psycopg.Error as exc:
             log.warning("job %s ran past its lease of %gs; ending its claim failed: %s",
                         job.id, watch.lease, str(exc).strip())
         finally:
-            self._ending_ids = self._ending_ids - {job.id}
             watch.counted.set()
+
+    async def _end_and_count(self, checker: psycopg.AsyncConnection[Any], watch: _Overdue,
+                             outcome: Outcome) -> tuple[int, list[Any]]:
+        """Queue a new session for the job's claim lock, end the claim's session from
+        ``checker`` once it waits (or at once if it does not within ``LOCK_QUEUE_WAIT``),
+        and count the attempt in the waiting session once it holds the lock. Returns the
+        sessions ended (0 or 1) and the count's rows (none if not counted).
+
+        Raises:
+            psycopg.Error: a statement failed, or the lock was not had within
+                ``OVERDUE_LOCK_TIMEOUT``.
+        """
+        job, q = watch.job, self._db.queries
+        claim = {"pid": watch.pid, "claimed_at": job.attempted_at}
+        waiter = await self._db.connect_async()
+        try:
+            async with waiter.transaction():
+                await waiter.execute(q.OVERDUE_LOCK_TIMEOUT)
+                taking = asyncio.ensure_future(waiter.execute(
+                    q.TAKE_CLAIM_LOCK, {"claim_lock": self._claim_lock, "id": job.id}))
+                ended = 0
+                try:
+                    deadline = time.monotonic() + LOCK_QUEUE_WAIT
+                    waiting = {"waiter": waiter.info.backend_pid}
+                    while not taking.done() and time.monotonic() < deadline:
+                        if (await (await checker.execute(q.CLAIM_LOCK_AWAITED,
+                                                         waiting)).fetchone() or [0])[0]:
+                            break
+                        await asyncio.sleep(0.001)
+                    if not taking.done():  # the claim's transaction holds the lock
+                        ended = (await (await checker.execute(q.END_OVERDUE_CLAIM,
+                                                              claim)).fetchone() or [0])[0]
+                finally:
+                    await taking
+                counted = await (await waiter.execute(q.COUNT_UNDONE_ATTEMPT, {
+                    "id": job.id, "attempt": job.attempt, "delay": outcome.delay,
+                    "error": outcome.error})).fetchall()
+        finally:
+            await waiter.close()
+        return ended, counted
 
     def _once(self, queue: str, on_loop: Callable[..., None]) -> Recorded:
         """In a handler thread: claim one job in a transaction, run it, record the outcome in
@@ -384,20 +425,20 @@ class ClaimModeRunners:
         watch: _Overdue | None = None
         try:
             with pool.connection() as conn, conn.transaction():
-                conn.execute(q.SET_IDLE_TIMEOUT, {"ms": self._idle_timeout_ms})
+                conn.execute(q.SET_CLAIM_TIMEOUTS, self._timeouts(conn, self._timeout_ms))
                 params = self._claim_params(queue, 1, True)
-                ending = self._ending_ids
-                if self._skipped or ending:
-                    params["skip"] = number_array(self._skipped.ids() + list(ending))
+                params["claim_lock"] = self._claim_lock
+                if self._skipped:
+                    params["skip"] = number_array(self._skipped.ids())
                 row = conn.execute(q.CLAIM_IN_TRANSACTION, params).fetchone()
                 if row is None:
                     return None, None, None
                 job = Job.from_row(row)
                 task = self._tasks[job.task]
                 lease = self._lease_of(job, task)
-                idle_ms = int(1000 * (lease + IDLE_TIMEOUT_MARGIN))
-                if idle_ms > self._idle_timeout_ms:  # a job's own lease, longer than its task's
-                    conn.execute(q.SET_IDLE_TIMEOUT, {"ms": idle_ms})
+                timeout_ms = int(1000 * (lease + SERVER_TIMEOUT_MARGIN))
+                if timeout_ms > self._timeout_ms:  # a job's own lease, longer than its task's
+                    conn.execute(q.SET_CLAIM_TIMEOUTS, self._timeouts(conn, timeout_ms))
                 watch = _Overdue(job, task, conn.info.backend_pid, lease)
                 on_loop(self._claimed, queue, watch)
                 claimed.append((job, task))
@@ -426,6 +467,18 @@ class ClaimModeRunners:
         finally:
             if watch is not None:
                 on_loop(watch.disarm)
+
+    def _timeouts(self, conn: psycopg.Connection[Any], ms: int) -> dict[str, int | None]:
+        """SET_CLAIM_TIMEOUTS' bind values for a lease of ``ms`` (with the margin): the
+        statement and transaction timeouts never above the server's own (read on the first
+        claim)."""
+        if self._server_timeouts is None:
+            self._server_timeouts = dict(conn.execute(self._db.queries.SERVER_TIMEOUTS)
+                                         .fetchall())
+        limits = {name: min(ms, own) if own else ms for name, own
+                  in self._server_timeouts.items()}
+        return {"idle_ms": ms, "statement_ms": limits["statement_timeout"],
+                "transaction_ms": limits.get("transaction_timeout")}
 
     def _run_and_record(self, conn: psycopg.Connection[Any], job: Job,
                         task: Task) -> tuple[Outcome, list[Any]]:

@@ -18,12 +18,21 @@ concurrency or rate limit by ``claim_limited_jobs``.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from typing import Any
 
 from .arrays import number_array, text_array
 
 PRIORITY_ORDER = "priority DESC, run_at, id"
+
+
+def claim_lock_key(schema: str) -> int:
+    """The first key (a signed 32-bit integer) of the claim locks of the jobs in ``schema``
+    (see ``CLAIM_IN_TRANSACTION``): derived from the schema's name, so that the queues of
+    two schemas do not share locks."""
+    digest = hashlib.sha1(b"skipjack.claim:" + schema.encode()).digest()
+    return int.from_bytes(digest[:4], "big", signed=True)
 # Every fairness_every-th claim that takes jobs: oldest first (within the priority whose
 # oldest job has waited longest, see _oldest_candidates), so no priority can starve.
 OLDEST_ORDER = "run_at, id"
@@ -164,8 +173,19 @@ CLAIM = claim_jobs(candidates(queue_filter=_UNCONTROLLED, order=PRIORITY_ORDER,
                               limit="%(limit)s"))
 CLAIM_OLDEST = claim_jobs(candidates(queue_filter=_UNCONTROLLED, order=OLDEST_ORDER,
                                      limit="%(limit)s"))
-CLAIM_IN_TRANSACTION = claim_jobs(candidates(queue_filter=_NOT_PAUSED, order=PRIORITY_ORDER,
-                                             limit="%(limit)s"))
+# A claim-mode claim also takes the job's claim lock (a transaction-scoped advisory lock on
+# the key pair (claim_lock_key(schema), the job's id modulo 2^31); ids 2^31 apart share a
+# lock, which at worst makes a claim pass over a job for a while), and passes over a job
+# whose lock another session holds or waits for.
+# The lock is tried last, in a CASE, so that it is taken only on a job the claim would
+# otherwise take (the planner orders a filter's conditions by their cost).
+_CLAIM_LOCKED = """
+           AND CASE WHEN run_at <= now() AND task = ANY(%(claim_mode_tasks)s::text[])
+                         AND id <> ALL(%(skip)s::bigint[])
+                    THEN pg_try_advisory_xact_lock(%(claim_lock)s, (id %% 2147483648)::int)
+               END"""
+CLAIM_IN_TRANSACTION = claim_jobs(_locked(_CLAIM_LOCKED, _NOT_PAUSED, PRIORITY_ORDER,
+                                          "%(limit)s"))
 
 # After a claim statement failed on some row (a trigger of the application's raising, a value
 # that overflows): the ids that claim would take (in a transaction rolled back afterwards)...
@@ -235,7 +255,7 @@ SELECT name, rate_period FROM {schema}.queues
 # A handler's transaction is idle while the handler computes or calls other services: the
 # handlers' connections lift any idle_in_transaction_session_timeout of the role or database,
 # which would otherwise end every attempt that runs longer (a claim-mode transaction then
-# sets its own, its lease, with SET_IDLE_TIMEOUT). Schema-free: run on each new connection.
+# sets its own, its lease, with SET_CLAIM_TIMEOUTS). Schema-free: run on each new connection.
 LIFT_IDLE_TIMEOUT = "SET idle_in_transaction_session_timeout = 0"
 
 # The same for one transaction of a connection the application gave (a framework's, for a
@@ -245,9 +265,23 @@ LIFT_IDLE_TIMEOUT_LOCAL = "SET LOCAL idle_in_transaction_session_timeout = 0"
 
 # Claim-mode transactions: the server ends the session, rolling the claim back, if the
 # worker leaves the transaction idle longer than the job's lease (plus a margin: a worker
-# that is not stalled ends it itself at the lease, with END_OVERDUE_CLAIM).
-SET_IDLE_TIMEOUT = """
-SELECT set_config('idle_in_transaction_session_timeout', %(ms)s::text, true)
+# that is not stalled ends it itself at the lease, with END_OVERDUE_CLAIM), and cancels a
+# statement that runs that long: a statement of a worker that was killed runs on until it
+# ends, and only then does the server notice that the worker is gone. From PostgreSQL 17 on
+# the whole transaction is bounded too (transaction_timeout; %(transaction_ms)s is NULL on
+# older servers; a new value applies from now only once the timeout is off, hence the '0'
+# first). The worker never raises a statement or transaction timeout that the role, the
+# database or the connection already sets (SERVER_TIMEOUTS: each in ms, 0 for none).
+SET_CLAIM_TIMEOUTS = """
+SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s::text, true),
+       set_config('statement_timeout', %(statement_ms)s::text, true),
+       CASE WHEN %(transaction_ms)s::bigint IS NOT NULL
+            THEN set_config('transaction_timeout', '0', true)
+                 || set_config('transaction_timeout', %(transaction_ms)s::text, true) END
+"""
+SERVER_TIMEOUTS = """
+SELECT name, setting::bigint FROM pg_settings
+ WHERE name IN ('statement_timeout', 'transaction_timeout')
 """
 
 # A claim-mode job whose claim was undone (its handler rolled back the claim's transaction
@@ -269,33 +303,25 @@ RETURNING j.id, j.state, j.run_at
 # A claim-mode job whose handler ran past its lease: CLAIM_OPEN tells whether the claim's
 # session is still in the claim's transaction (which began at the claim's attempted_at; the
 # connection may be back in the pool, or the handler may have ended the transaction itself).
-# If so, END_OVERDUE_CLAIM ends that session (again only while it is in that transaction),
-# which rolls the claim back, and counts the attempt as COUNT_UNDONE_ATTEMPT does (the
-# UPDATE waits for the rollback to release the row, under OVERDUE_LOCK_TIMEOUT). One row:
-# the sessions ended (0 or 1), then the job's id, state and run_at if it was counted.
+# If so, one session waits for the job's claim lock (TAKE_CLAIM_LOCK, under
+# OVERDUE_LOCK_TIMEOUT) and, once CLAIM_LOCK_AWAITED says that it waits, another one ends
+# the claim's session (END_OVERDUE_CLAIM, again only while it is in that transaction; the
+# number of sessions ended, 0 or 1). The server rolls the claim back and hands the lock to
+# the waiting session, which counts the attempt (COUNT_UNDONE_ATTEMPT) and commits: until
+# then every claim-mode claim passes over the job (see CLAIM_IN_TRANSACTION).
 CLAIM_OPEN = """
 SELECT count(*) FROM pg_stat_activity WHERE pid = %(pid)s AND xact_start = %(claimed_at)s
 """
+TAKE_CLAIM_LOCK = """
+SELECT pg_advisory_xact_lock(%(claim_lock)s, (%(id)s::bigint %% 2147483648)::int)
+"""
+CLAIM_LOCK_AWAITED = """
+SELECT count(*) FROM pg_locks
+ WHERE pid = %(waiter)s AND locktype = 'advisory' AND NOT granted
+"""
 END_OVERDUE_CLAIM = """
-WITH ended AS (
-    SELECT count(pg_terminate_backend(a.pid)) AS sessions
-      FROM pg_stat_activity AS a
-     WHERE a.pid = %(pid)s AND a.xact_start = %(claimed_at)s
-), counted AS (
-    UPDATE {schema}.jobs AS j
-       SET attempt = j.attempt + 1,
-           state = CASE WHEN j.attempt + 1 >= j.max_attempts THEN 'discarded'
-                        ELSE 'scheduled' END,
-           run_at = now() + make_interval(secs => %(delay)s),
-           finished_at = CASE WHEN j.attempt + 1 >= j.max_attempts THEN now() END,
-           errors = j.errors || jsonb_build_array(%(error)s::jsonb
-                                                  || jsonb_build_object('at', now()))
-      FROM ended
-     WHERE j.id = %(id)s AND j.state = 'available' AND j.attempt = %(attempt)s - 1
-    RETURNING j.id, j.state, j.run_at
-)
-SELECT ended.sessions, counted.id, counted.state, counted.run_at
-  FROM ended LEFT JOIN counted ON true
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+ WHERE pid = %(pid)s AND xact_start = %(claimed_at)s
 """
 OVERDUE_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '5s'"
 
@@ -319,7 +345,8 @@ SELECT args FROM {schema}.jobs WHERE id = %(id)s AND lease_version = %(lease_ver
 def claim_params(queue: str, limit: int, *, lease: float, worker: str,
                  min_lease: float = 0.0, inline_bytes: int = 256 * 1024,
                  claim_mode_tasks: list[str] | None = None,
-                 claim_mode: bool = False, skip: list[int] | None = None) -> dict[str, Any]:
+                 claim_mode: bool = False, skip: list[int] | None = None,
+                 claim_lock: int = 0) -> dict[str, Any]:
     """Bind values of every claim statement of this module.
 
     Args:
@@ -332,8 +359,10 @@ def claim_params(queue: str, limit: int, *, lease: float, worker: str,
             loaded later.
         claim_mode_tasks, claim_mode: see the module's docstring.
         skip: ids not to claim (see ``candidates``).
+        claim_lock: the first key of the jobs' claim locks (``claim_lock_key``; read by
+            ``CLAIM_IN_TRANSACTION`` only).
     """
     return {"queue": queue, "limit": limit, "lease": lease, "worker": worker,
             "min_lease": min_lease, "inline_bytes": inline_bytes,
             "claim_mode_tasks": text_array(claim_mode_tasks or []), "claim_mode": claim_mode,
-            "skip": number_array(skip or [])}
+            "skip": number_array(skip or []), "claim_lock": claim_lock}
