@@ -1173,7 +1173,8 @@ def test_a_limited_queue_has_one_retry_pending_at_a_time(
 
     app.set_queue_limits("q", concurrency=1)
     app.enqueue_many(quick.job() for _ in range(20))
-    hold.enqueue()  # claimed last (same priority, higher id)
+    hold.enqueue()  # claimed after those (same priority, higher id)
+    app.enqueue_many(quick.job() for _ in range(5))  # held back by the limit meanwhile
     worker = Worker(app, ["q"], concurrency=4, poll_interval=600)
     retries: list[float] = []  # when a retry made the queue due while the hold job ran
     retry = worker._producer._retry
@@ -1189,7 +1190,7 @@ def test_a_limited_queue_has_one_retry_pending_at_a_time(
     try:
         wait_until(lambda: len(retries) >= 8, what="eight retries while the limit holds")
         go.set()
-        wait_until(lambda: states(app.dsn, app.schema) == {"succeeded": 21},
+        wait_until(lambda: states(app.dsn, app.schema) == {"succeeded": 26},
                    what="every job done")
     finally:
         go.set()
@@ -1201,16 +1202,22 @@ def test_a_limited_queue_has_one_retry_pending_at_a_time(
 
 def test_a_limited_queue_s_retries_start_no_claim_mode_runner(
         app: App, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Limits do not apply to claim-mode jobs, so the retries of an idle limited queue
+    """Limits do not apply to claim-mode jobs, so the retries of a limited queue at its limit
     (every LIMITED_RETRY seconds, here 0.05) claim its lease-mode jobs only: they start no
     claim-mode runner, each of which would open a transaction to claim."""
     monkeypatch.setattr(producer, "LIMITED_RETRY", 0.05)
+    go = threading.Event()
 
     @app.task(name="in_claim", queue="q", transaction="claim")
     def in_claim() -> None:
         pass
 
+    @app.task(name="hold", queue="q")
+    async def hold() -> None:
+        await asyncio.get_running_loop().run_in_executor(None, go.wait, 60)
+
     app.set_queue_limits("q", concurrency=1)
+    app.enqueue_many(hold.job() for _ in range(2))  # one runs, the other is held back
     worker = Worker(app, ["q"], concurrency=2, poll_interval=600)
     retries, spawns = [0], [0]
     retry, spawn = worker._producer._retry, worker._claim_mode.spawn
@@ -1225,11 +1232,38 @@ def test_a_limited_queue_s_retries_start_no_claim_mode_runner(
 
     worker._producer._retry = counted_retry  # type: ignore[method-assign]
     worker._claim_mode.spawn = counted_spawn  # type: ignore[method-assign]
-    with _running(worker):
-        wait_until(lambda: retries[0] >= 3, what="three retries of the idle limited queue")
-        seen = spawns[0]  # the start's (every queue due at first, and once listening)
-        wait_until(lambda: retries[0] >= 13, what="ten more retries")
+    try:
+        with _running(worker):
+            wait_until(lambda: retries[0] >= 3, what="three retries of the limited queue")
+            seen = spawns[0]  # the start's (every queue due at first, and once listening)
+            wait_until(lambda: retries[0] >= 13, what="ten more retries")
+            go.set()
+    finally:
+        go.set()
     assert spawns[0] == seen
+
+
+def test_an_emptied_limited_queue_is_not_claimed_again_until_woken(
+        app: App, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A limited queue whose claim took every job it had is not claimed again
+    LIMITED_RETRY seconds later (here 600, so that a retry would still be pending): only a
+    queue whose limits held jobs back is. Before, an empty limited queue was claimed every
+    0.05-0.5 s by every worker, each claim a row lock on the queue written to the WAL."""
+    monkeypatch.setattr(producer, "LIMITED_RETRY", 600)
+
+    @app.task(name="quick", queue="q")
+    async def quick() -> None:
+        pass
+
+    app.set_queue_limits("q", concurrency=2)
+    jobs = app.enqueue_many(quick.job() for _ in range(2))
+    worker = Worker(app, ["q"], concurrency=4, poll_interval=600)
+    with _running(worker):
+        wait_until(lambda: worker.stats.succeeded == 2, what="both jobs run")
+        assert worker._producer._retrying == set()
+        app.enqueue_many(quick.job() for _ in range(2))  # the notification wakes the queue
+        wait_until(lambda: worker.stats.succeeded == 4, what="the next two run")
+    assert all((app.get_job(j) or {})["state"] == "succeeded" for j in jobs)
 
 
 def test_fairness_reaches_low_priorities_on_a_limited_queue(app: App) -> None:

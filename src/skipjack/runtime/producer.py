@@ -41,11 +41,12 @@ from .slots import Slots
 
 log = logging.getLogger("skipjack.worker")
 
-# Seconds after a limited queue's claim came back short before it is claimed again: a rate
-# window may have closed meanwhile (sooner for a shorter rate period, down to
-# MIN_LIMITED_RETRY, the most often an empty limited queue is claimed). A concurrency limit
-# lifts sooner, when the completer writes an outcome of the queue
-# (``Producer.outcomes_written``). One retry a queue is pending at a time.
+# Seconds after a limited queue's claim came back short with jobs held back by its limits
+# (``HELD_BACK``) before it is claimed again: a rate window may have closed meanwhile (sooner
+# for a shorter rate period, down to MIN_LIMITED_RETRY). A concurrency limit lifts sooner,
+# when the completer writes an outcome of the queue (``Producer.outcomes_written``). One
+# retry a queue is pending at a time. A queue that had no more jobs waits for a wake-up or
+# the next poll, as any other.
 LIMITED_RETRY = 0.5
 MIN_LIMITED_RETRY = 0.05
 
@@ -207,7 +208,7 @@ class Producer:
                             self._refresh = False
                             cur = await conn.execute(self._db.queries.LIMITED_QUEUES)
                             self._limited = dict(await cur.fetchall())
-                        rows = await self._claim(conn, queue, want)
+                        rows, held_back = await self._claim(conn, queue, want)
                         if backoff.reset():
                             log.info("claim: the database is reachable again")
                     except psycopg.Error as exc:
@@ -228,7 +229,7 @@ class Producer:
                         break
                     if len(rows) < want and self._woken[queue] == woken:
                         self.due[queue] = False
-                        if queue in self._limited and queue not in self._retrying:
+                        if held_back and queue not in self._retrying:
                             self._retrying.add(queue)  # a limit may lift soon (rate window)
                             loop.call_later(self._retry_delay(queue), self._retry, queue)
                     self._executor.buffer([Job.from_row(r) for r in in_claim_order(rows)])
@@ -282,19 +283,27 @@ class Producer:
         return bool(failing)
 
     async def _claim(self, conn: psycopg.AsyncConnection[Any], queue: str,
-                     want: int) -> list[Any]:
+                     want: int) -> tuple[list[Any], bool]:
         """One claim from one queue: through the queue's lock when it is limited; every
-        ``fairness_every``-th claim that takes jobs oldest-first instead of by priority."""
+        ``fairness_every``-th claim that takes jobs oldest-first instead of by priority.
+        Returns the claimed rows, and whether a limited queue's claim came back short with
+        jobs still waiting (``HELD_BACK``): an empty limited queue is not claimed again
+        every ``LIMITED_RETRY`` seconds (each claim a row lock on the queue, written to the
+        WAL) while the cluster is idle."""
         q = self._db.queries
         params = self._params(queue, want)
         every = self._fairness_every
         oldest = every and (self._claims[queue] + 1) % every == 0
         self._oldest = bool(oldest)
+        held_back = False
         if queue in self._limited:
             async with conn.transaction():
                 await conn.execute(q.LOCK_QUEUE, {"queue": queue})
                 rows = await (await conn.execute(
                     q.CLAIM_LIMITED_OLDEST if oldest else q.CLAIM_LIMITED, params)).fetchall()
+                if len(rows) < want:
+                    held_back = bool((await (await conn.execute(q.HELD_BACK, params))
+                                      .fetchone() or [False])[0])
         else:
             rows = await (await conn.execute(q.CLAIM_OLDEST if oldest else q.CLAIM,
                                              params)).fetchall()
@@ -303,4 +312,4 @@ class Producer:
             if self._skipped:
                 for row in rows:  # a job skipped before was claimed: the fault has gone
                     self._skipped.claimed(row[0])
-        return rows
+        return rows, held_back

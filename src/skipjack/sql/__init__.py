@@ -104,6 +104,7 @@ class Queries:
     LOCK_QUEUE = Statement(claim.LOCK_QUEUE)
     CLAIM_LIMITED = Statement(claim.CLAIM_LIMITED)
     CLAIM_LIMITED_OLDEST = Statement(claim.CLAIM_LIMITED_OLDEST)
+    HELD_BACK = Statement(claim.HELD_BACK)
     NO_WAIT_FOR_FLUSH = Statement(claim.NO_WAIT_FOR_FLUSH)
     LIMITED_QUEUES = Statement(claim.LIMITED_QUEUES)
     SET_CLAIM_TIMEOUTS = Statement(claim.SET_CLAIM_TIMEOUTS)

@@ -242,6 +242,14 @@ SELECT * FROM claimed
 CLAIM_LIMITED = claim_limited_jobs(PRIORITY_ORDER)
 CLAIM_LIMITED_OLDEST = claim_limited_jobs(OLDEST_ORDER)
 
+# After a limited queue's claim came back short (third statement, same transaction):
+# whether its limits held jobs back: jobs the claim could take still wait in the queue, and
+# it is not paused (a resumed queue is woken by its notification). Only then is the queue
+# claimed again before a wake-up or the next poll.
+HELD_BACK = """
+SELECT EXISTS (SELECT 1 FROM {schema}.jobs WHERE """ + _available("", _NOT_PAUSED) + """)
+"""
+
 # The producer's connection: claims need not wait for their WAL flush. A claim lost in a
 # crash only makes its job claimable again, and its token is not handed out again (see
 # ``skipjack.sql``).
