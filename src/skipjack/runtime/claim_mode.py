@@ -378,13 +378,14 @@ class ClaimModeRunners:
         waiter = await self._db.connect_async()
         try:
             async with waiter.transaction():
-                await waiter.execute(q.OVERDUE_LOCK_TIMEOUT)
+                (waiter_pid, _), = await (await waiter.execute(q.OVERDUE_LOCK_TIMEOUT)
+                                          ).fetchall()
                 taking = asyncio.ensure_future(waiter.execute(
                     q.TAKE_CLAIM_LOCK, {"claim_lock": self._claim_lock, "id": job.id}))
                 ended = 0
                 try:
                     deadline = time.monotonic() + LOCK_QUEUE_WAIT
-                    waiting = {"waiter": waiter.info.backend_pid}
+                    waiting = {"waiter": waiter_pid}
                     while not taking.done() and time.monotonic() < deadline:
                         if (await (await checker.execute(q.CLAIM_LOCK_AWAITED,
                                                          waiting)).fetchone() or [0])[0]:
@@ -425,7 +426,8 @@ class ClaimModeRunners:
         watch: _Overdue | None = None
         try:
             with pool.connection() as conn, conn.transaction():
-                conn.execute(q.SET_CLAIM_TIMEOUTS, self._timeouts(conn, self._timeout_ms))
+                (pid, *_), = conn.execute(q.SET_CLAIM_TIMEOUTS,
+                                          self._timeouts(conn, self._timeout_ms)).fetchall()
                 params = self._claim_params(queue, 1, True)
                 params["claim_lock"] = self._claim_lock
                 if self._skipped:
@@ -439,7 +441,7 @@ class ClaimModeRunners:
                 timeout_ms = int(1000 * (lease + SERVER_TIMEOUT_MARGIN))
                 if timeout_ms > self._timeout_ms:  # a job's own lease, longer than its task's
                     conn.execute(q.SET_CLAIM_TIMEOUTS, self._timeouts(conn, timeout_ms))
-                watch = _Overdue(job, task, conn.info.backend_pid, lease)
+                watch = _Overdue(job, task, pid, lease)
                 on_loop(self._claimed, queue, watch)
                 claimed.append((job, task))
                 self._skipped.claimed(job.id)

@@ -280,8 +280,11 @@ LIFT_IDLE_TIMEOUT_LOCAL = "SET LOCAL idle_in_transaction_session_timeout = 0"
 # older servers; a new value applies from now only once the timeout is off, hence the '0'
 # first). The worker never raises a statement or transaction timeout that the role, the
 # database or the connection already sets (SERVER_TIMEOUTS: each in ms, 0 for none).
+# Returns the session's process id on the server (pg_backend_pid(): the one the client's
+# connection reports is a pooler's own behind PgBouncer).
 SET_CLAIM_TIMEOUTS = """
-SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s::text, true),
+SELECT pg_backend_pid(),
+       set_config('idle_in_transaction_session_timeout', %(idle_ms)s::text, true),
        set_config('statement_timeout', %(statement_ms)s::text, true),
        CASE WHEN %(transaction_ms)s::bigint IS NOT NULL
             THEN set_config('transaction_timeout', '0', true)
@@ -312,7 +315,8 @@ RETURNING j.id, j.state, j.run_at
 # session is still in the claim's transaction (which began at the claim's attempted_at; the
 # connection may be back in the pool, or the handler may have ended the transaction itself).
 # If so, one session waits for the job's claim lock (TAKE_CLAIM_LOCK, under
-# OVERDUE_LOCK_TIMEOUT) and, once CLAIM_LOCK_AWAITED says that it waits, another one ends
+# OVERDUE_LOCK_TIMEOUT, which returns its process id) and, once CLAIM_LOCK_AWAITED says that
+# it waits, another one ends
 # the claim's session (END_OVERDUE_CLAIM, again only while it is in that transaction; the
 # number of sessions ended, 0 or 1). The server rolls the claim back and hands the lock to
 # the waiting session, which counts the attempt (COUNT_UNDONE_ATTEMPT) and commits: until
@@ -331,7 +335,7 @@ END_OVERDUE_CLAIM = """
 SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
  WHERE pid = %(pid)s AND xact_start = %(claimed_at)s
 """
-OVERDUE_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '5s'"
+OVERDUE_LOCK_TIMEOUT = "SELECT pg_backend_pid(), set_config('lock_timeout', '5s', true)"
 
 # The same job claimed again before that count: its error is added for people to see.
 NOTE_ERROR = """
