@@ -316,11 +316,11 @@ RETURNING j.id, j.state, j.run_at
 # connection may be back in the pool, or the handler may have ended the transaction itself).
 # If so, one session waits for the job's claim lock (TAKE_CLAIM_LOCK, under
 # OVERDUE_LOCK_TIMEOUT, which returns its process id) and, once CLAIM_LOCK_AWAITED says that
-# it waits, another one ends
-# the claim's session (END_OVERDUE_CLAIM, again only while it is in that transaction; the
-# number of sessions ended, 0 or 1). The server rolls the claim back and hands the lock to
-# the waiting session, which counts the attempt (COUNT_UNDONE_ATTEMPT) and commits: until
-# then every claim-mode claim passes over the job (see CLAIM_IN_TRANSACTION).
+# it waits, another one ends the claim's session (END_OVERDUE_CLAIM, again only while it is
+# in that transaction; the number of sessions ended, 0 or 1). The server rolls the claim
+# back and hands the lock to the waiting session, which counts the attempt
+# (COUNT_UNDONE_ATTEMPT) and commits: until then every claim-mode claim passes over the job
+# (see CLAIM_IN_TRANSACTION).
 CLAIM_OPEN = """
 SELECT count(*) FROM pg_stat_activity WHERE pid = %(pid)s AND xact_start = %(claimed_at)s
 """
