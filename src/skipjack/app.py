@@ -356,9 +356,10 @@ class App(Admin):
                 the outcome. No rescue is involved: if the worker dies, PostgreSQL
                 rolls back and the job is available again. The handler must finish within
                 its lease: past it the worker ends the claim's session and counts the
-                attempt as timed out; the session's ``idle_in_transaction_session_timeout``
-                is the lease plus 1 s, so a stalled worker's transaction is ended by the
-                server.
+                attempt as timed out; the transaction's idle and statement timeouts (and
+                from PostgreSQL 17 on its transaction timeout) are the lease plus 1 s, so
+                the server ends a stalled worker's transaction and a killed worker's
+                statement.
             timeout: seconds an attempt may run; past it the attempt fails (and is retried
                 per policy). Async handlers are cancelled; a sync handler's thread cannot be
                 stopped, so it is told through ``current_job().cancelled`` and its eventual
