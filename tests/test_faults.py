@@ -235,7 +235,7 @@ def test_held_claim_of_a_killed_worker_in_a_statement_is_ended_by_the_server(
         tasks: App, tmp_path: Path) -> None:
     """SIGKILL while the claim's handler waits on a 600 s statement of the claim's
     transaction: the server sees no client until that statement ends, but it cancels it at
-    the job's lease (2 s) plus 1 s, the claim is rolled back and the next worker runs the
+    the job's lease (2 s) plus 5 s, the claim is rolled back and the next worker runs the
     job, whose effect commits once. (Before, the job was held for the 600 s.)"""
     (job_id,) = enqueue(tasks, "held_effect", seconds=600, in_statement=True)
     args = ["--lease", "30", "--heartbeat", "0.5", "--rescue-interval", "60"]

@@ -29,7 +29,7 @@ from skipjack import App, Task, current_job
 from skipjack.context import Job
 from skipjack.hooks import Hooks
 from skipjack.outcome import Outcome, error_json
-from skipjack.runtime import producer
+from skipjack.runtime import claim_mode, producer
 from skipjack.runtime.completer import Completer
 from skipjack.runtime.heartbeat import Leases
 from skipjack.runtime.maintenance import rescue
@@ -1133,11 +1133,13 @@ def test_a_claim_mode_handler_past_its_lease_uses_its_attempt(app: App, busy: st
 
 
 def test_a_claim_mode_job_s_own_longer_lease_holds_off_the_server_s_idle_timeout(
-        app: App) -> None:
+        app: App, monkeypatch: pytest.MonkeyPatch) -> None:
     """A claim-mode job enqueued with a lease of 5 s, longer than its task's 1 s (which sets
-    the session's idle timeout to 2 s before the claim): its handler, idle for 3 s in the
-    claim's transaction, runs once and succeeds; the server does not end the claim at 2 s
-    (which undid it with no attempt counted, and the job ran again and again)."""
+    the session's idle timeout to 2 s before the claim, with a margin of 1 s): its handler,
+    idle for 3 s in the claim's transaction, runs once and succeeds; the server does not end
+    the claim at 2 s (which undid it with no attempt counted, and the job ran again and
+    again)."""
+    monkeypatch.setattr(claim_mode, "SERVER_TIMEOUT_MARGIN", 1.0)
     starts: list[float] = []
 
     @app.task(name="longer", queue="q", transaction="claim", lease=1)
@@ -1147,6 +1149,32 @@ def test_a_claim_mode_job_s_own_longer_lease_holds_off_the_server_s_idle_timeout
 
     job = longer.configure(lease=5).enqueue()
     worker = Worker(app, ["q"], concurrency=2, heartbeat=0.3, poll_interval=0.2)
+    with _running(worker):
+        final = wait_until(lambda: (j := app.get_job(job)) and j["state"] != "available" and j,
+                           what="the job ended")
+    assert (final["state"], final["attempt"], len(starts)) == ("succeeded", 1, 1)
+
+
+def test_a_claim_mode_handler_outlives_a_shorter_transaction_timeout_of_the_server(
+        app: App) -> None:
+    """PostgreSQL 17 and later: connections whose transaction_timeout (500 ms) is shorter
+    than a claim-mode handler's run (1 s, within its 5 s lease): the claim's transaction gets
+    the lease plus the margin instead, and the job runs once and succeeds. (Before, the
+    server ended the claim every time, with no attempt counted, and the job ran again and
+    again.)"""
+    if int(query(app.dsn, "SHOW server_version_num")[0][0]) < 170000:
+        pytest.skip("transaction_timeout is new in PostgreSQL 17")
+    timed = App(psycopg.conninfo.make_conninfo(app.dsn, options="-c transaction_timeout=500"),
+                schema=app.schema)
+    starts: list[float] = []
+
+    @timed.task(name="slow", queue="q", transaction="claim", lease=5)
+    def slow() -> None:
+        starts.append(time.monotonic())
+        time.sleep(1)
+
+    job = slow.enqueue()
+    worker = Worker(timed, ["q"], concurrency=1, heartbeat=0.3, poll_interval=0.2)
     with _running(worker):
         final = wait_until(lambda: (j := app.get_job(job)) and j["state"] != "available" and j,
                            what="the job ended")

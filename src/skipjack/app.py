@@ -357,7 +357,7 @@ class App(Admin):
                 rolls back and the job is available again. The handler must finish within
                 its lease: past it the worker ends the claim's session and counts the
                 attempt as timed out; the transaction's idle and statement timeouts (and
-                from PostgreSQL 17 on its transaction timeout) are the lease plus 1 s, so
+                from PostgreSQL 17 on its transaction timeout) are the lease plus 5 s, so
                 the server ends a stalled worker's transaction and a killed worker's
                 statement.
             timeout: seconds an attempt may run; past it the attempt fails (and is retried

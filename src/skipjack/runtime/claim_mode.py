@@ -10,10 +10,10 @@ retried after its backoff and its attempts run out, rather than being claimed ag
 with no attempt counted, while the handler's thread still runs. No claim takes the job
 between the claim's end and that count (see ``END_OVERDUE_CLAIM`` in
 ``skipjack.sql.claim``). The server's timeouts of the claim's transaction (idle in it, one
-statement, from PostgreSQL 17 on the whole transaction) are the longest lease of these tasks
-plus ``SERVER_TIMEOUT_MARGIN`` (raised after the claim for a job whose own lease is longer),
-so the server ends the transaction of a worker that stalled, and cancels a statement left
-running by a worker that was killed.
+statement, from PostgreSQL 17 on the whole transaction) are the shortest lease of these
+tasks plus ``SERVER_TIMEOUT_MARGIN``, raised right after the claim for a job whose lease is
+longer, so the server ends the transaction of a worker that stalled, and cancels a statement
+left running by a worker that was killed.
 
 Runners grow with the work: each claim that finds a job starts one more runner while slots
 are free, and a runner ends when its queue has no job for it. While every slot is busy, a
@@ -59,8 +59,13 @@ from .slots import Slots
 log = logging.getLogger("skipjack.worker")
 
 # Seconds by which the server's timeouts of a claim-mode transaction follow the lease, at
-# which a worker that is not stalled ends the claim itself (and counts the attempt).
-SERVER_TIMEOUT_MARGIN = 1.0
+# which a worker that is not stalled ends the claim itself (and counts the attempt); a
+# claim the server ends first is undone with no attempt counted. A worker whose handler
+# threads keep the GIL busy is slow to do so: one worker of concurrency 8, 16 jobs of a 1 s
+# lease each running 3 s of pure-Python CPU work (PostgreSQL 15): with a 1 s margin the
+# server ended 87 claims and the worker 8, and 33 (job, attempt) pairs started more than
+# once; with 3 s, 1 and 48, none twice; with 5 s, 0 and 48.
+SERVER_TIMEOUT_MARGIN = 5.0
 # Seconds a handler thread whose claim was ended at its lease waits for the attempt's count.
 OVERDUE_COUNT_WAIT = 10.0
 # Seconds the worker waits for its session to queue for an overdue job's claim lock.
@@ -198,7 +203,7 @@ class ClaimModeRunners:
         """Read the app's claim-mode tasks (call when the worker starts)."""
         mine = [t for t in self._tasks.values() if t.transaction == "claim"]
         self.task_names = [t.name for t in mine]
-        self._timeout_ms = int(1000 * (SERVER_TIMEOUT_MARGIN + max(
+        self._timeout_ms = int(1000 * (SERVER_TIMEOUT_MARGIN + min(
             [t.lease or self._lease for t in mine], default=0)))
 
     def wants_runner(self, queue: str) -> bool:
@@ -439,7 +444,7 @@ class ClaimModeRunners:
                 task = self._tasks[job.task]
                 lease = self._lease_of(job, task)
                 timeout_ms = int(1000 * (lease + SERVER_TIMEOUT_MARGIN))
-                if timeout_ms > self._timeout_ms:  # a job's own lease, longer than its task's
+                if timeout_ms > self._timeout_ms:  # a lease longer than the shortest
                     conn.execute(q.SET_CLAIM_TIMEOUTS, self._timeouts(conn, timeout_ms))
                 watch = _Overdue(job, task, pid, lease)
                 on_loop(self._claimed, queue, watch)
@@ -472,15 +477,17 @@ class ClaimModeRunners:
 
     def _timeouts(self, conn: psycopg.Connection[Any], ms: int) -> dict[str, int | None]:
         """SET_CLAIM_TIMEOUTS' bind values for a lease of ``ms`` (with the margin): the
-        statement and transaction timeouts never above the server's own (read on the first
-        claim)."""
+        statement timeout never above the server's own (read on the first claim), since a
+        statement it cancels fails the attempt, which is then counted. The transaction
+        timeout (PostgreSQL 17 on) is ``ms`` whatever the server's: a shorter one would end
+        the claim of every job that runs longer with no attempt counted, for ever."""
         if self._server_timeouts is None:
             self._server_timeouts = dict(conn.execute(self._db.queries.SERVER_TIMEOUTS)
                                          .fetchall())
-        limits = {name: min(ms, own) if own else ms for name, own
-                  in self._server_timeouts.items()}
-        return {"idle_ms": ms, "statement_ms": limits["statement_timeout"],
-                "transaction_ms": limits.get("transaction_timeout")}
+        own = self._server_timeouts
+        return {"idle_ms": ms,
+                "statement_ms": min(ms, own["statement_timeout"]) or ms,
+                "transaction_ms": ms if "transaction_timeout" in own else None}
 
     def _run_and_record(self, conn: psycopg.Connection[Any], job: Job,
                         task: Task) -> tuple[Outcome, list[Any]]:

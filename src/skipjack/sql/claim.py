@@ -176,9 +176,14 @@ CLAIM_OLDEST = claim_jobs(candidates(queue_filter=_UNCONTROLLED, order=OLDEST_OR
 # A claim-mode claim also takes the job's claim lock (a transaction-scoped advisory lock on
 # the key pair (claim_lock_key(schema), the job's id modulo 2^31); ids 2^31 apart share a
 # lock, which at worst makes a claim pass over a job for a while), and passes over a job
-# whose lock another session holds or waits for.
-# The lock is tried last, in a CASE, so that it is taken only on a job the claim would
-# otherwise take (the planner orders a filter's conditions by their cost).
+# whose lock another session holds or waits for. The lock is tried in a CASE, after the
+# rest of the filter (the planner orders a filter's conditions by their cost), and before
+# the row lock: a job whose row another transaction holds, or whose row changed after the
+# claim's snapshot (its count, committed meanwhile), is then passed over with its claim
+# lock taken, and other claim-mode claims pass over it too until this claim's transaction
+# ends (within this job's lease; such a job is seldom runnable again by then). Trying the
+# lock after the row lock instead would hold the row of a job being ended, which its count
+# waits for, for the whole run of this claim's handler.
 _CLAIM_LOCKED = """
            AND CASE WHEN run_at <= now() AND task = ANY(%(claim_mode_tasks)s::text[])
                          AND id <> ALL(%(skip)s::bigint[])
@@ -278,8 +283,9 @@ LIFT_IDLE_TIMEOUT_LOCAL = "SET LOCAL idle_in_transaction_session_timeout = 0"
 # ends, and only then does the server notice that the worker is gone. From PostgreSQL 17 on
 # the whole transaction is bounded too (transaction_timeout; %(transaction_ms)s is NULL on
 # older servers; a new value applies from now only once the timeout is off, hence the '0'
-# first). The worker never raises a statement or transaction timeout that the role, the
-# database or the connection already sets (SERVER_TIMEOUTS: each in ms, 0 for none).
+# first). The worker never raises a statement timeout that the role, the database or the
+# connection already sets (SERVER_TIMEOUTS: each in ms, 0 for none); the idle and
+# transaction timeouts it sets whatever theirs (either ends a claim with no attempt counted).
 # Returns the session's process id on the server (pg_backend_pid(): the one the client's
 # connection reports is a pooler's own behind PgBouncer).
 SET_CLAIM_TIMEOUTS = """
