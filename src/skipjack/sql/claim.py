@@ -26,6 +26,10 @@ from .arrays import number_array, text_array
 
 PRIORITY_ORDER = "priority DESC, run_at, id"
 
+# Every fairness_every-th claim that takes jobs: oldest first (within the priority whose
+# oldest job has waited longest, see _oldest_candidates), so no priority can starve.
+OLDEST_ORDER = "run_at, id"
+
 
 def claim_lock_key(schema: str) -> int:
     """The first key (a signed 32-bit integer) of the claim locks of the jobs in ``schema``
@@ -33,9 +37,6 @@ def claim_lock_key(schema: str) -> int:
     two schemas do not share locks."""
     digest = hashlib.sha1(b"skipjack.claim:" + schema.encode()).digest()
     return int.from_bytes(digest[:4], "big", signed=True)
-# Every fairness_every-th claim that takes jobs: oldest first (within the priority whose
-# oldest job has waited longest, see _oldest_candidates), so no priority can starve.
-OLDEST_ORDER = "run_at, id"
 
 
 def candidates(*, queue_filter: str, order: str, limit: str) -> str:
