@@ -154,9 +154,11 @@ def held_effect(seconds: float = 0.0, in_statement: bool = False) -> None:
     """Runs inside its claim's transaction (transaction="claim"); on its first start takes
     ``seconds``, asleep or in a statement of that transaction."""
     log_event("start")
-    if _starts() == 1 and in_statement:
-        current_job().conn.execute("SELECT pg_sleep(%s)", [seconds])
-    time.sleep(seconds if _starts() == 1 and not in_statement else 0)
+    taken = seconds if _starts() == 1 else 0
+    if in_statement:
+        current_job().conn.execute("SELECT pg_sleep(%s)", [taken])
+    else:
+        time.sleep(taken)
     _write_effect(current_job().conn)
     log_event("finish")
 
