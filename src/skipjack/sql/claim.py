@@ -59,12 +59,17 @@ def candidates(*, queue_filter: str, order: str, limit: str) -> str:
     return _locked("", queue_filter, order, limit)
 
 
+# A candidate's conditions besides its state and queue: due, of the claim's mode, not skipped.
+_RUNNABLE = """run_at <= now()
+           AND (task = ANY(%(claim_mode_tasks)s::text[])) = %(claim_mode)s
+           AND id <> ALL(%(skip)s::bigint[])"""
+
+
 def _available(condition: str, queue_filter: str) -> str:
     """The candidates' filter, with ``condition`` (SQL starting with AND, or empty)."""
-    return """state = 'available' AND queue = %(queue)s AND run_at <= now()
-           AND (task = ANY(%(claim_mode_tasks)s::text[])) = %(claim_mode)s
-           AND id <> ALL(%(skip)s::bigint[])""" + condition + """
-           AND """ + queue_filter
+    return ("state = 'available' AND queue = %(queue)s AND " + _RUNNABLE + condition
+            + """
+           AND """ + queue_filter)
 
 
 def _locked(condition: str, queue_filter: str, order: str, limit: str) -> str:
@@ -186,8 +191,7 @@ CLAIM_OLDEST = claim_jobs(candidates(queue_filter=_UNCONTROLLED, order=OLDEST_OR
 # lock after the row lock instead would hold the row of a job being ended, which its count
 # waits for, for the whole run of this claim's handler.
 _CLAIM_LOCKED = """
-           AND CASE WHEN run_at <= now() AND task = ANY(%(claim_mode_tasks)s::text[])
-                         AND id <> ALL(%(skip)s::bigint[])
+           AND CASE WHEN """ + _RUNNABLE + """
                     THEN pg_try_advisory_xact_lock(%(claim_lock)s, (id %% 2147483648)::int)
                END"""
 CLAIM_IN_TRANSACTION = claim_jobs(_locked(_CLAIM_LOCKED, _NOT_PAUSED, PRIORITY_ORDER,
