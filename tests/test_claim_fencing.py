@@ -574,3 +574,42 @@ def test_no_claim_takes_an_overdue_claim_mode_job_before_its_attempt_is_counted(
         waiter.execute("COMMIT")
     job = row(app, job_id)
     assert (job["state"], job["attempt"], len(job["errors"])) == ("scheduled", 1, 1)
+
+
+def test_a_claim_mode_job_s_lease_is_its_own_else_its_task_s_else_the_worker_s(
+        app: App) -> None:
+    """The lease a claim-mode claim gives each job (its handler's time limit, and the
+    claim's lease_expires_at): the job's own, even one equal to the worker's (before, such a
+    lease yielded to the task's: the worker could not tell it from none); its task's for a
+    job with none of its own (enqueued without the task's options); the worker's when the
+    task has none either."""
+
+    @app.task(name="short", queue="q", transaction="claim", lease=4.0)
+    def short() -> None:
+        pass
+
+    @app.task(name="plain", queue="q", transaction="claim")
+    def plain() -> None:
+        pass
+
+    own = short.configure(lease=30.0).enqueue()  # equal to the worker's lease
+    none = short.enqueue()
+    query(app.dsn, "UPDATE {schema}.jobs SET lease_seconds = NULL WHERE id = %s", [none],
+          schema=app.schema)
+    worker_s = plain.enqueue()
+    leases: dict[int, tuple[float, float]] = {}
+    with app.connect() as conn:
+        for _ in range(3):
+            with conn.transaction():
+                (job_id, lease), = [(r[0], r[12]) for r in conn.execute(
+                    app.queries.CLAIM_IN_TRANSACTION, queries.claim_params(
+                        "q", 1, lease=30.0, worker="w", claim_mode_tasks=["short", "plain"],
+                        claim_mode_leases=[4.0, None], claim_mode=True, skip=list(leases),
+                        claim_lock=queries.claim_lock_key(app.schema)))]
+                expires_in, = conn.execute(sql.SQL(
+                    "SELECT extract(epoch FROM lease_expires_at - attempted_at)::float8 "
+                    "FROM {}.jobs WHERE id = %s").format(sql.Identifier(app.schema)),
+                    [job_id]).fetchone() or ()
+                leases[job_id] = (lease, round(expires_in, 3))
+                raise psycopg.Rollback()
+    assert leases == {own: (30.0, 30.0), none: (4.0, 4.0), worker_s: (30.0, 30.0)}

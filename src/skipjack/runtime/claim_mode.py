@@ -192,6 +192,7 @@ class ClaimModeRunners:
         self._waiting = 0  # runners waiting for a slot (each counted in Slots.claim_mode)
         self._rejoin: set[str] = set()  # queues whose last runner gave its slot back
         self.task_names: list[str] = []
+        self.task_leases: list[float | None] = []  # each task's lease (seconds), or None
         self._skipped = SkipList()  # used from the handler threads, one claim at a time each
         self._timeout_ms = 0
         # the server's statement and transaction timeouts (ms, 0: none), read once
@@ -203,6 +204,7 @@ class ClaimModeRunners:
         """Read the app's claim-mode tasks (call when the worker starts)."""
         mine = [t for t in self._tasks.values() if t.transaction == "claim"]
         self.task_names = [t.name for t in mine]
+        self.task_leases = [t.lease for t in mine]
         self._timeout_ms = int(1000 * (SERVER_TIMEOUT_MARGIN + min(
             [t.lease or self._lease for t in mine], default=0)))
 
@@ -307,13 +309,6 @@ class ClaimModeRunners:
                 if not self.per_queue[rejoining]:
                     self.spawn(rejoining)
             self._on_slot_freed()
-
-    def _lease_of(self, job: Job, task: Task) -> float:
-        """Seconds a claim-mode job's handler may run: the job's own lease, else its task's,
-        else the worker's. ``job.lease`` holds the worker's for a job with none of its own
-        (enqueued by name, without the task's options), so one equal to the worker's lease
-        yields to the task's."""
-        return task.lease if task.lease is not None and job.lease == self._lease else job.lease
 
     def _claimed(self, queue: str, watch: _Overdue) -> None:
         """On the event loop, after a claim: start one more runner while a slot is free, and
@@ -442,7 +437,8 @@ class ClaimModeRunners:
                     return None, None, None
                 job = Job.from_row(row)
                 task = self._tasks[job.task]
-                lease = self._lease_of(job, task)
+                # the job's own lease, else its task's, else the worker's (TASK_LEASE)
+                lease = job.lease
                 timeout_ms = int(1000 * (lease + SERVER_TIMEOUT_MARGIN))
                 if timeout_ms > self._timeout_ms:  # a lease longer than the shortest
                     conn.execute(q.SET_CLAIM_TIMEOUTS, self._timeouts(conn, timeout_ms))

@@ -493,6 +493,7 @@ class Worker:
                             min_lease=3 * (self.heartbeat or 0),
                             inline_bytes=self.inline_args_bytes,
                             claim_mode_tasks=self._claim_mode.task_names,
+                            claim_mode_leases=self._claim_mode.task_leases,
                             claim_mode=claim_mode)
 
     def _threadsafe(self, fn: Callable[..., None]) -> Callable[..., None]:

@@ -2,10 +2,11 @@
 
 A claim takes jobs from ONE queue per statement (an ordered scan of the partial index;
 ``queue = ANY(...)`` would need a sort), marks them running, starts their lease (the job's own
-``lease_seconds``, else the worker's; never shorter than ``min_lease``, the shortest lease the
-worker's heartbeat keeps alive), counts the attempt and raises the fencing token by a random
-step (see ``skipjack.sql``). Args larger than ``inline_bytes`` (serialised) are not
-returned; the worker loads them with LOAD_ARGS just before the handler runs.
+``lease_seconds``, else the worker's, or for a claim-mode job its task's; never shorter than
+``min_lease``, the shortest lease the worker's heartbeat keeps alive), counts the attempt and
+raises the fencing token by a random step (see ``skipjack.sql``). Args larger than
+``inline_bytes`` (serialised) are not returned; the worker loads them with LOAD_ARGS just
+before the handler runs.
 
 ``claim_mode_tasks`` / ``claim_mode`` split the claims of tasks declared
 ``transaction="claim"`` (claimed and run in one open transaction, ``claim_mode`` true: only
@@ -115,9 +116,22 @@ def _oldest_candidates(queue_filter: str, limit: str) -> str:
     ) AS o"""
 
 
-def claim_jobs(jobs: str) -> str:
+# A job's lease when it has none of its own (lease_seconds NULL): the worker's.
+WORKER_LEASE = "%(lease)s"
+# The same for a claim-mode job: its task's lease (claim_mode_leases, one per name of
+# claim_mode_tasks, NULL for a task without one), else the worker's. Such a job has no lease
+# of its own when it was enqueued without its task's options (by another application that
+# names the task, or before the task had a lease); a lease-mode job then has the worker's.
+TASK_LEASE = """coalesce((SELECT t.lease FROM unnest(%(claim_mode_tasks)s::text[],
+                                                 %(claim_mode_leases)s::float8[])
+                                     AS t(task, lease) WHERE t.task = j.task), %(lease)s)"""
+
+
+def claim_jobs(jobs: str, default_lease: str = WORKER_LEASE) -> str:
     """The claim of the jobs whose ids the subquery ``jobs`` selects (see ``candidates``):
     each row holds the job's columns in the order of ``skipjack.context.Job``'s fields.
+    ``default_lease`` is the lease (seconds, an SQL expression) of a job with none of its
+    own: ``WORKER_LEASE`` or ``TASK_LEASE``.
 
     The ids go through an array (``id = ANY(ARRAY(...))``). Joined to the jobs table
     directly, the subquery's LIMIT (a bind value) is unknown to the planner, which takes a
@@ -135,7 +149,8 @@ UPDATE {schema}.jobs AS j
        attempt = j.attempt + 1,
        attempted_at = now(),
        lease_expires_at = now() + make_interval(secs => greatest(
-                              coalesce(j.lease_seconds, %(lease)s), %(min_lease)s)),
+                              coalesce(j.lease_seconds, """ + default_lease + """),
+                              %(min_lease)s)),
        lease_version = j.lease_version + 1 + floor(random() * 2147483647)::bigint,
        worker = %(worker)s
  WHERE j.id = ANY(ARRAY(SELECT c.id FROM (""" + jobs + """) AS c))
@@ -143,7 +158,8 @@ RETURNING j.id, j.queue, j.task,
           CASE WHEN j.args_bytes <= %(inline_bytes)s THEN j.args END AS args,
           j.priority, j.attempt, j.max_attempts, j.lease_version, j.created_at, j.run_at,
           j.attempted_at, j.idempotency_key,
-          greatest(coalesce(j.lease_seconds, %(lease)s), %(min_lease)s) AS lease,
+          greatest(coalesce(j.lease_seconds, """ + default_lease + """), %(min_lease)s)
+          AS lease,
           CASE WHEN jsonb_typeof(j.metadata) = 'object' THEN j.metadata END AS metadata
 """
 
@@ -195,7 +211,7 @@ _CLAIM_LOCKED = """
                     THEN pg_try_advisory_xact_lock(%(claim_lock)s, (id %% 2147483648)::int)
                END"""
 CLAIM_IN_TRANSACTION = claim_jobs(_locked(_CLAIM_LOCKED, _NOT_PAUSED, PRIORITY_ORDER,
-                                          "%(limit)s"))
+                                          "%(limit)s"), TASK_LEASE)
 
 # After a claim statement failed on some row (a trigger of the application's raising, a value
 # that overflows): the ids that claim would take (in a transaction rolled back afterwards)...
@@ -368,6 +384,7 @@ SELECT args FROM {schema}.jobs WHERE id = %(id)s AND lease_version = %(lease_ver
 def claim_params(queue: str, limit: int, *, lease: float, worker: str,
                  min_lease: float = 0.0, inline_bytes: int = 256 * 1024,
                  claim_mode_tasks: list[str] | None = None,
+                 claim_mode_leases: list[float | None] | None = None,
                  claim_mode: bool = False, skip: list[int] | None = None,
                  claim_lock: int = 0) -> dict[str, Any]:
     """Bind values of every claim statement of this module.
@@ -381,11 +398,15 @@ def claim_params(queue: str, limit: int, *, lease: float, worker: str,
         inline_bytes: args up to this size (bytes) come with the claim; larger ones are
             loaded later.
         claim_mode_tasks, claim_mode: see the module's docstring.
+        claim_mode_leases: seconds, the lease of each task of ``claim_mode_tasks`` (None:
+            the worker's), for its jobs with none of their own (read by
+            ``CLAIM_IN_TRANSACTION`` only, see ``TASK_LEASE``).
         skip: ids not to claim (see ``candidates``).
         claim_lock: the first key of the jobs' claim locks (``claim_lock_key``; read by
             ``CLAIM_IN_TRANSACTION`` only).
     """
     return {"queue": queue, "limit": limit, "lease": lease, "worker": worker,
             "min_lease": min_lease, "inline_bytes": inline_bytes,
-            "claim_mode_tasks": text_array(claim_mode_tasks or []), "claim_mode": claim_mode,
+            "claim_mode_tasks": text_array(claim_mode_tasks or []),
+            "claim_mode_leases": number_array(claim_mode_leases or []), "claim_mode": claim_mode,
             "skip": number_array(skip or []), "claim_lock": claim_lock}
