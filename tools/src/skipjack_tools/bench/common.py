@@ -33,6 +33,20 @@ log = logging.getLogger("skipjack.bench")
 BENCH_DB_PREFIX = "skipjack_bench_"
 
 
+
+@contextlib.contextmanager
+def quiet_job_failures() -> Iterator[None]:
+    """Within the block, skipjack's log of failed jobs (``skipjack.jobs``) shows errors
+    only: for scenarios whose jobs fail on purpose (W7, W9), whose warnings of each failure
+    would bury the bench's own output."""
+    jobs_log = logging.getLogger("skipjack.jobs")
+    level = jobs_log.level
+    jobs_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        jobs_log.setLevel(level)
+
 @dataclass
 class Settings:
     """What one ``skipjack bench`` invocation runs.

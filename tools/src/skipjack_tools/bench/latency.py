@@ -4,7 +4,6 @@ how late delayed and retried jobs start."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import multiprocessing
 import random
 import time
@@ -13,7 +12,7 @@ from typing import Any
 from skipjack import Backoff, current_job
 from skipjack.app import App
 
-from .common import QUEUE, Settings, count_state, fresh_app, median, percentiles
+from .common import QUEUE, Settings, count_state, fresh_app, median, percentiles, quiet_job_failures
 from .worker_run import StateCounter, run_worker
 
 TASK = "bench.latency"
@@ -189,13 +188,8 @@ def _lateness_once(settings: Settings, jobs: int) -> tuple[list[float], list[flo
             while len(delayed) + len(retried) < jobs:
                 await asyncio.sleep(0.01)
 
-        jobs_log = logging.getLogger("skipjack.jobs")
-        level = jobs_log.level
-        jobs_log.setLevel(logging.ERROR)  # half the jobs fail once on purpose: not news
-        try:
+        with quiet_job_failures():  # half the jobs fail once on purpose: not news
             run_worker(app, concurrency=10, until=feed, timeout=30 + jobs * 0.1)
-        finally:
-            jobs_log.setLevel(level)
     return delayed, retried
 
 
