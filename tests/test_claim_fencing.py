@@ -578,11 +578,11 @@ def test_no_claim_takes_an_overdue_claim_mode_job_before_its_attempt_is_counted(
 
 def test_a_claim_mode_job_s_lease_is_its_own_else_its_task_s_else_the_worker_s(
         app: App) -> None:
-    """The lease a claim-mode claim gives each job (its handler's time limit, and the
-    claim's lease_expires_at): the job's own, even one equal to the worker's (before, such a
-    lease yielded to the task's: the worker could not tell it from none); its task's for a
-    job with none of its own (enqueued without the task's options); the worker's when the
-    task has none either."""
+    """The lease a claim-mode claim gives each job (its handler's time limit, the claim's
+    lease_expires_at, and its transaction's timeouts): the job's own, even one equal to the
+    worker's (before, such a lease yielded to the task's: the worker could not tell it from
+    none); its task's for a job with none of its own (enqueued without the task's options);
+    the worker's when the task has none either."""
 
     @app.task(name="short", queue="q", transaction="claim", lease=4.0)
     def short() -> None:
@@ -597,19 +597,28 @@ def test_a_claim_mode_job_s_lease_is_its_own_else_its_task_s_else_the_worker_s(
     query(app.dsn, "UPDATE {schema}.jobs SET lease_seconds = NULL WHERE id = %s", [none],
           schema=app.schema)
     worker_s = plain.enqueue()
-    leases: dict[int, tuple[float, float]] = {}
+    leases: dict[int, tuple[float, float, str, str]] = {}
     with app.connect() as conn:
+        pid = conn.execute("SELECT pg_backend_pid()").fetchone()
         for _ in range(3):
             with conn.transaction():
-                (job_id, lease), = [(r[0], r[12]) for r in conn.execute(
+                (job_id, lease, claim_pid), = [(r[0], r[12], r[14]) for r in conn.execute(
                     app.queries.CLAIM_IN_TRANSACTION, queries.claim_params(
                         "q", 1, lease=30.0, worker="w", claim_mode_tasks=["short", "plain"],
                         claim_mode_leases=[4.0, None], claim_mode=True, skip=list(leases),
-                        claim_lock=queries.claim_lock_key(app.schema)))]
+                        claim_lock=queries.claim_lock_key(app.schema), timeout_margin=5.0,
+                        server_statement_ms=20_000))]
+                assert (claim_pid,) == pid
                 expires_in, = conn.execute(sql.SQL(
                     "SELECT extract(epoch FROM lease_expires_at - attempted_at)::float8 "
                     "FROM {}.jobs WHERE id = %s").format(sql.Identifier(app.schema)),
                     [job_id]).fetchone() or ()
-                leases[job_id] = (lease, round(expires_in, 3))
+                idle, statement = conn.execute(
+                    "SELECT current_setting('idle_in_transaction_session_timeout'), "
+                    "current_setting('statement_timeout')").fetchone() or ()
+                leases[job_id] = (lease, round(expires_in, 3), idle, statement)
                 raise psycopg.Rollback()
-    assert leases == {own: (30.0, 30.0), none: (4.0, 4.0), worker_s: (30.0, 30.0)}
+    # the transaction's timeouts: the lease plus the margin, the statement timeout never
+    # above the server's own (20 s here)
+    assert leases == {own: (30.0, 30.0, "35s", "20s"), none: (4.0, 4.0, "9s", "9s"),
+                      worker_s: (30.0, 30.0, "35s", "20s")}

@@ -10,10 +10,10 @@ retried after its backoff and its attempts run out, rather than being claimed ag
 with no attempt counted, while the handler's thread still runs. No claim takes the job
 between the claim's end and that count (see ``END_OVERDUE_CLAIM`` in
 ``skipjack.sql.claim``). The server's timeouts of the claim's transaction (idle in it, one
-statement, from PostgreSQL 17 on the whole transaction) are the shortest lease of these
-tasks plus ``SERVER_TIMEOUT_MARGIN``, raised right after the claim for a job whose lease is
-longer, so the server ends the transaction of a worker that stalled, and cancels a statement
-left running by a worker that was killed.
+statement, from PostgreSQL 17 on the whole transaction) are the job's lease plus
+``SERVER_TIMEOUT_MARGIN``, set by the claim statement itself, so the server ends the
+transaction of a worker that stalled, and cancels a statement left running by a worker that
+was killed.
 
 Runners grow with the work: each claim that finds a job starts one more runner while slots
 are free, and a runner ends when its queue has no job for it. While every slot is busy, a
@@ -68,6 +68,8 @@ log = logging.getLogger("skipjack.worker")
 SERVER_TIMEOUT_MARGIN = 5.0
 # Seconds a handler thread whose claim was ended at its lease waits for the attempt's count.
 OVERDUE_COUNT_WAIT = 10.0
+# CLAIM_IN_TRANSACTION's column of the session's process id, after the job's columns
+_PID_COLUMN = len(dataclasses.fields(Job))
 # Seconds the worker waits for its session to queue for an overdue job's claim lock.
 LOCK_QUEUE_WAIT = 5.0
 
@@ -164,14 +166,13 @@ class ClaimModeRunners:
         stats: counters to update.
         stopping: set when the worker shuts down (no more runners start).
         claim_params: bind values of the claim statement.
-        lease: seconds, the worker's lease (a task may have its own).
         on_slot_freed: called when a runner ends.
     """
 
     def __init__(self, db: Database, tasks: Mapping[str, Task], queues: Sequence[str],
                  slots: Slots, leases: Leases, executor: Executor, report: Reporter,
                  hooks: Hooks, stats: WorkerStats,
-                 stopping: asyncio.Event, claim_params: ClaimParams, *, lease: float,
+                 stopping: asyncio.Event, claim_params: ClaimParams, *,
                  on_slot_freed: Callable[[], None]) -> None:
         self._db = db
         self._tasks = tasks
@@ -183,7 +184,6 @@ class ClaimModeRunners:
         self._stats = stats
         self._stopping = stopping
         self._claim_params = claim_params
-        self._lease = lease
         self._on_slot_freed = on_slot_freed
         self.due = dict.fromkeys(queues, True)  # queues that may have claim-mode jobs
         self.runners: set[asyncio.Task[None]] = set()
@@ -194,7 +194,6 @@ class ClaimModeRunners:
         self.task_names: list[str] = []
         self.task_leases: list[float | None] = []  # each task's lease (seconds), or None
         self._skipped = SkipList()  # used from the handler threads, one claim at a time each
-        self._timeout_ms = 0
         # the server's statement and transaction timeouts (ms, 0: none), read once
         self._server_timeouts: dict[str, int] | None = None
         self._claim_lock = claim_lock_key(db.schema)
@@ -205,8 +204,6 @@ class ClaimModeRunners:
         mine = [t for t in self._tasks.values() if t.transaction == "claim"]
         self.task_names = [t.name for t in mine]
         self.task_leases = [t.lease for t in mine]
-        self._timeout_ms = int(1000 * (SERVER_TIMEOUT_MARGIN + min(
-            [t.lease or self._lease for t in mine], default=0)))
 
     def wants_runner(self, queue: str) -> bool:
         """Whether to start a runner for ``queue`` (which may have claim-mode jobs): when a
@@ -426,10 +423,8 @@ class ClaimModeRunners:
         watch: _Overdue | None = None
         try:
             with pool.connection() as conn, conn.transaction():
-                (pid, *_), = conn.execute(q.SET_CLAIM_TIMEOUTS,
-                                          self._timeouts(conn, self._timeout_ms)).fetchall()
-                params = self._claim_params(queue, 1, True)
-                params["claim_lock"] = self._claim_lock
+                params = {**self._claim_params(queue, 1, True), **self._timeouts(conn),
+                          "claim_lock": self._claim_lock}
                 if self._skipped:
                     params["skip"] = number_array(self._skipped.ids())
                 row = conn.execute(q.CLAIM_IN_TRANSACTION, params).fetchone()
@@ -437,12 +432,9 @@ class ClaimModeRunners:
                     return None, None, None
                 job = Job.from_row(row)
                 task = self._tasks[job.task]
-                # the job's own lease, else its task's, else the worker's (TASK_LEASE)
-                lease = job.lease
-                timeout_ms = int(1000 * (lease + SERVER_TIMEOUT_MARGIN))
-                if timeout_ms > self._timeout_ms:  # a lease longer than the shortest
-                    conn.execute(q.SET_CLAIM_TIMEOUTS, self._timeouts(conn, timeout_ms))
-                watch = _Overdue(job, task, pid, lease)
+                # the job's own lease, else its task's, else the worker's (TASK_LEASE); the
+                # claim set its transaction's timeouts from it
+                watch = _Overdue(job, task, row[_PID_COLUMN], job.lease)
                 on_loop(self._claimed, queue, watch)
                 claimed.append((job, task))
                 self._skipped.claimed(job.id)
@@ -471,19 +463,20 @@ class ClaimModeRunners:
             if watch is not None:
                 on_loop(watch.disarm)
 
-    def _timeouts(self, conn: psycopg.Connection[Any], ms: int) -> dict[str, int | None]:
-        """SET_CLAIM_TIMEOUTS' bind values for a lease of ``ms`` (with the margin): the
-        statement timeout never above the server's own (read on the first claim), since a
-        statement it cancels fails the attempt, which is then counted. The transaction
-        timeout (PostgreSQL 17 on) is ``ms`` whatever the server's: a shorter one would end
-        the claim of every job that runs longer with no attempt counted, for ever."""
+    def _timeouts(self, conn: psycopg.Connection[Any]) -> dict[str, Any]:
+        """CLAIM_IN_TRANSACTION's bind values for its transaction's timeouts: the margin,
+        and the server's own statement timeout (read on the first claim), above which the
+        claim never raises it, since a statement it cancels fails the attempt, which is then
+        counted. The transaction timeout (PostgreSQL 17 on) is set whatever the server's: a
+        shorter one would end the claim of every job that runs longer with no attempt
+        counted, for ever."""
         if self._server_timeouts is None:
             self._server_timeouts = dict(conn.execute(self._db.queries.SERVER_TIMEOUTS)
                                          .fetchall())
         own = self._server_timeouts
-        return {"idle_ms": ms,
-                "statement_ms": min(ms, own["statement_timeout"]) or ms,
-                "transaction_ms": ms if "transaction_timeout" in own else None}
+        return {"timeout_margin": SERVER_TIMEOUT_MARGIN,
+                "server_statement_ms": own["statement_timeout"],
+                "transaction_timeout": "transaction_timeout" in own}
 
     def _run_and_record(self, conn: psycopg.Connection[Any], job: Job,
                         task: Task) -> tuple[Outcome, list[Any]]:

@@ -251,7 +251,6 @@ class Worker:
                                             self._leases, self._executor, self._report,
                                             self.app.hooks, self.stats,
                                             self._stopping, self._claim_params,
-                                            lease=self.lease,
                                             on_slot_freed=lambda: self._producer.slot_freed())
         self._producer = Producer(db, self.queues, self._slots, self._executor,
                                   self._claim_mode, self._completer, self._stopping,

@@ -107,7 +107,6 @@ class Queries:
     HELD_BACK = Statement(claim.HELD_BACK)
     NO_WAIT_FOR_FLUSH = Statement(claim.NO_WAIT_FOR_FLUSH)
     LIMITED_QUEUES = Statement(claim.LIMITED_QUEUES)
-    SET_CLAIM_TIMEOUTS = Statement(claim.SET_CLAIM_TIMEOUTS)
     SERVER_TIMEOUTS = Statement(claim.SERVER_TIMEOUTS)
     LOAD_ARGS = Statement(claim.LOAD_ARGS)
     CLAIM_CANDIDATES = Statement(claim.CLAIM_CANDIDATES)

@@ -210,8 +210,37 @@ _CLAIM_LOCKED = """
            AND CASE WHEN """ + _RUNNABLE + """
                     THEN pg_try_advisory_xact_lock(%(claim_lock)s, (id %% 2147483648)::int)
                END"""
-CLAIM_IN_TRANSACTION = claim_jobs(_locked(_CLAIM_LOCKED, _NOT_PAUSED, PRIORITY_ORDER,
-                                          "%(limit)s"), TASK_LEASE)
+# The claim-mode claim also returns the session's process id on the server
+# (pg_backend_pid(): the one the client's connection reports is a pooler's own behind
+# PgBouncer) and sets its transaction's timeouts from the job's lease plus
+# %(timeout_margin)s seconds: the server ends the session, rolling the claim back, if the
+# worker leaves the transaction idle that long (a worker that is not stalled ends it itself
+# at the lease, with END_OVERDUE_CLAIM), and cancels a statement that runs that long: a
+# statement of a worker that was killed runs on until it ends, and only then does the
+# server notice that the worker is gone. From PostgreSQL 17 on (%(transaction_timeout)s
+# true) the whole transaction is bounded too; a new transaction_timeout applies from now
+# only once the timeout is off, hence the '0' first. The statement timeout is never raised
+# above the one the role, the database or the connection sets (%(server_statement_ms)s,
+# read with SERVER_TIMEOUTS; 0: none); the idle and transaction timeouts are set whatever
+# theirs (either ends a claim with no attempt counted). The settings last until the
+# transaction ends, and apply from the next statement on. The job's columns come first, in
+# the order of ``skipjack.context.Job``'s fields, then the process id.
+CLAIM_IN_TRANSACTION = """
+WITH claimed AS (""" + claim_jobs(_locked(_CLAIM_LOCKED, _NOT_PAUSED, PRIORITY_ORDER,
+                                          "%(limit)s"), TASK_LEASE) + """)
+SELECT c.*, pg_backend_pid(),
+       set_config('idle_in_transaction_session_timeout', t.ms::text, true),
+       set_config('statement_timeout',
+                  CASE WHEN %(server_statement_ms)s::bigint > 0
+                       THEN least(t.ms, %(server_statement_ms)s::bigint)
+                       ELSE t.ms END::text, true),
+       CASE WHEN %(transaction_timeout)s::boolean
+            THEN set_config('transaction_timeout', '0', true)
+                 || set_config('transaction_timeout', t.ms::text, true) END
+  FROM claimed AS c
+ CROSS JOIN LATERAL (SELECT floor(1000 * (c.lease + %(timeout_margin)s::float8))::bigint
+                            AS ms) AS t
+"""
 
 # After a claim statement failed on some row (a trigger of the application's raising, a value
 # that overflows): the ids that claim would take (in a transaction rolled back afterwards)...
@@ -289,7 +318,8 @@ SELECT name, rate_period FROM {schema}.queues
 # A handler's transaction is idle while the handler computes or calls other services: the
 # handlers' connections lift any idle_in_transaction_session_timeout of the role or database,
 # which would otherwise end every attempt that runs longer (a claim-mode transaction then
-# sets its own, its lease, with SET_CLAIM_TIMEOUTS). Schema-free: run on each new connection.
+# sets its own, from its lease, with CLAIM_IN_TRANSACTION). Schema-free: run on each new
+# connection.
 LIFT_IDLE_TIMEOUT = "SET idle_in_transaction_session_timeout = 0"
 
 # The same for one transaction of a connection the application gave (a framework's, for a
@@ -297,26 +327,8 @@ LIFT_IDLE_TIMEOUT = "SET idle_in_transaction_session_timeout = 0"
 # not in autocommit, so that the job's own block in it is a savepoint.
 LIFT_IDLE_TIMEOUT_LOCAL = "SET LOCAL idle_in_transaction_session_timeout = 0"
 
-# Claim-mode transactions: the server ends the session, rolling the claim back, if the
-# worker leaves the transaction idle longer than the job's lease (plus a margin: a worker
-# that is not stalled ends it itself at the lease, with END_OVERDUE_CLAIM), and cancels a
-# statement that runs that long: a statement of a worker that was killed runs on until it
-# ends, and only then does the server notice that the worker is gone. From PostgreSQL 17 on
-# the whole transaction is bounded too (transaction_timeout; %(transaction_ms)s is NULL on
-# older servers; a new value applies from now only once the timeout is off, hence the '0'
-# first). The worker never raises a statement timeout that the role, the database or the
-# connection already sets (SERVER_TIMEOUTS: each in ms, 0 for none); the idle and
-# transaction timeouts it sets whatever theirs (either ends a claim with no attempt counted).
-# Returns the session's process id on the server (pg_backend_pid(): the one the client's
-# connection reports is a pooler's own behind PgBouncer).
-SET_CLAIM_TIMEOUTS = """
-SELECT pg_backend_pid(),
-       set_config('idle_in_transaction_session_timeout', %(idle_ms)s::text, true),
-       set_config('statement_timeout', %(statement_ms)s::text, true),
-       CASE WHEN %(transaction_ms)s::bigint IS NOT NULL
-            THEN set_config('transaction_timeout', '0', true)
-                 || set_config('transaction_timeout', %(transaction_ms)s::text, true) END
-"""
+# The server's own statement and transaction timeouts (ms, 0: none; no row for
+# transaction_timeout before PostgreSQL 17), read once by a worker (see CLAIM_IN_TRANSACTION).
 SERVER_TIMEOUTS = """
 SELECT name, setting::bigint FROM pg_settings
  WHERE name IN ('statement_timeout', 'transaction_timeout')
@@ -386,7 +398,9 @@ def claim_params(queue: str, limit: int, *, lease: float, worker: str,
                  claim_mode_tasks: list[str] | None = None,
                  claim_mode_leases: list[float | None] | None = None,
                  claim_mode: bool = False, skip: list[int] | None = None,
-                 claim_lock: int = 0) -> dict[str, Any]:
+                 claim_lock: int = 0, timeout_margin: float = 0.0,
+                 server_statement_ms: int = 0,
+                 transaction_timeout: bool = False) -> dict[str, Any]:
     """Bind values of every claim statement of this module.
 
     Args:
@@ -404,9 +418,15 @@ def claim_params(queue: str, limit: int, *, lease: float, worker: str,
         skip: ids not to claim (see ``candidates``).
         claim_lock: the first key of the jobs' claim locks (``claim_lock_key``; read by
             ``CLAIM_IN_TRANSACTION`` only).
+        timeout_margin, server_statement_ms, transaction_timeout: seconds added to the
+            job's lease for its transaction's timeouts, the server's own statement timeout
+            (ms, 0: none), whether the server has ``transaction_timeout`` (read by
+            ``CLAIM_IN_TRANSACTION`` only).
     """
     return {"queue": queue, "limit": limit, "lease": lease, "worker": worker,
             "min_lease": min_lease, "inline_bytes": inline_bytes,
             "claim_mode_tasks": text_array(claim_mode_tasks or []),
             "claim_mode_leases": number_array(claim_mode_leases or []), "claim_mode": claim_mode,
-            "skip": number_array(skip or []), "claim_lock": claim_lock}
+            "skip": number_array(skip or []), "claim_lock": claim_lock,
+            "timeout_margin": timeout_margin, "server_statement_ms": server_statement_ms,
+            "transaction_timeout": transaction_timeout}
