@@ -81,12 +81,21 @@ class _Skipped(Exception):
     """A claim-mode claim failed on one job, now skipped: claim again."""
 
 
-class _Ended(Exception):
-    """The handler ended the claim's transaction itself; ``outcome`` is its attempt's."""
+class _Refused(Exception):
+    """The database refused the outcome of a handler that succeeded (``error``)."""
 
-    def __init__(self, outcome: Outcome) -> None:
+    def __init__(self, error: psycopg.Error) -> None:
         super().__init__()
-        self.outcome = outcome
+        self.error = error
+
+
+def _with_progress(outcome: Outcome | None) -> Outcome:
+    """``outcome`` (never None here: no cancellation ends a claim-mode handler) with the
+    progress its handler reported, written with it (the claim is unseen by others until
+    then)."""
+    assert outcome is not None
+    reported = current_job().reported
+    return outcome if reported is None else dataclasses.replace(outcome, progress=reported)
 
 
 # What a runner reports of one claim: the outcome, the job's new state and its run_at (None
@@ -480,28 +489,42 @@ class ClaimModeRunners:
 
     def _run_and_record(self, conn: psycopg.Connection[Any], job: Job,
                         task: Task) -> tuple[Outcome, list[Any]]:
-        """Run the handler and write its outcome in a savepoint of the claim's transaction.
-        An outcome the database refuses rolls back to that savepoint (the handler's writes
-        with it); the attempt's failure is then written instead, with the refusal as its
-        error, the claim kept, so the job runs no second time meanwhile."""
+        """Run the handler and write its outcome in one savepoint of the claim's
+        transaction. A handler that fails rolls back to that savepoint (its writes with
+        it), and so does an outcome the database refuses; the attempt's failure is then
+        written in the claim's transaction, with the handler's error or the refusal, the
+        claim kept, so the job runs no second time meanwhile. (One savepoint, not one for
+        the handler inside another for its outcome: two round trips fewer a job.)"""
         q = self._db.queries
+        started = time.monotonic()
         try:
-            with conn.transaction():
-                outcome = self._handle(conn, job, task)
-                if conn.info.transaction_status == TransactionStatus.IDLE:
-                    raise _Ended(outcome)  # no savepoint is left to release
-                return outcome, conn.execute(q.RECORD_OUTCOMES,
-                                             outcome_params([outcome])).fetchall()
-        except _Ended as ended:
-            return ended.outcome, self._after_ended_transaction(conn, job, ended.outcome)
-        except psycopg.Error as exc:
-            if connection_lost(exc) or conn.info.transaction_status == TransactionStatus.IDLE:
-                raise
+            with conn.transaction():  # a savepoint
+                result = self._handle(conn, job, task)
+                outcome = _with_progress(decide(job, task, result=result,
+                                                ran=time.monotonic() - started))
+                try:
+                    return outcome, conn.execute(q.RECORD_OUTCOMES,
+                                                 outcome_params([outcome])).fetchall()
+                except psycopg.Error as refusal:
+                    raise _Refused(refusal) from refusal  # rolls back to the savepoint
+        except _Refused as refused:
+            if (connection_lost(refused.error)
+                    or conn.info.transaction_status == TransactionStatus.IDLE):
+                raise refused.error from None
             log.error("job %s: its outcome was refused by the database: %s", job.id,
-                      str(exc).strip())
-            failed = decide(job, task, error=exc)
-            assert failed is not None
-            return failed, conn.execute(q.RECORD_OUTCOMES, outcome_params([failed])).fetchall()
+                      str(refused.error).strip())
+            failed = decide(job, task, error=refused.error)
+        except Exception as exc:  # the handler failed (Snooze included)
+            ended = conn.info.transaction_status == TransactionStatus.IDLE
+            if ended and not isinstance(exc, HandlerTransactionError):
+                exc = HandlerTransactionError(f"{ENDED}; it then raised "
+                                              f"{type(exc).__name__}: {exc}")
+            failed = _with_progress(decide(job, task, error=exc,
+                                           ran=time.monotonic() - started))
+            if ended:  # no transaction of the claim's is left to write in
+                return failed, self._after_ended_transaction(conn, job, failed)
+        assert failed is not None  # never a cancellation here
+        return failed, conn.execute(q.RECORD_OUTCOMES, outcome_params([failed])).fetchall()
 
     def _count_failed_commit(self, job: Job, task: Task, exc: psycopg.Error) -> Recorded:
         """The claim's transaction failed after the handler ran and rolled back: count the
@@ -537,43 +560,34 @@ class ClaimModeRunners:
             raise exc  # not a job's fault
         self._skipped.add(row[0], str(exc).strip())
 
-    def _handle(self, conn: psycopg.Connection[Any], job: Job, task: Task) -> Outcome:
-        """Run the handler in a savepoint of the claim's transaction; its outcome."""
-        outcome: Outcome | None
-        started = time.monotonic()
+    def _handle(self, conn: psycopg.Connection[Any], job: Job, task: Task) -> Any:
+        """Run the handler (in the caller's savepoint of the claim's transaction); its
+        result.
+
+        Raises:
+            Exception: the handler's, or ArgumentsError (args that do not fit it), or
+                HandlerTransactionError (it ended or aborted the claim's transaction).
+        """
+        args = job.args
+        if args is None:
+            loaded = conn.execute(self._db.queries.LOAD_ARGS,
+                                  {"id": job.id, "lease_version": job.lease_version})
+            args = (loaded.fetchone() or [{}])[0]
+        problem = task.arguments.mismatch(args) if task.arguments is not None else None
+        if problem is not None:
+            raise ArgumentsError(problem)
+        result = self._hooks.wrap(job, task.fn, False)(**args)
+        # the claim's now() is attempted_at
         try:
-            args = job.args
-            if args is None:
-                loaded = conn.execute(self._db.queries.LOAD_ARGS,
-                                      {"id": job.id, "lease_version": job.lease_version})
-                args = (loaded.fetchone() or [{}])[0]
-            problem = task.arguments.mismatch(args) if task.arguments is not None else None
-            if problem is not None:
-                raise ArgumentsError(problem)
-            with conn.transaction():  # a savepoint: a failed handler's writes roll back
-                result = self._hooks.wrap(job, task.fn, False)(**args)
-                # raising here rolls back to the savepoint; the claim's now() is attempted_at
-                try:
-                    check_handler_transaction(conn, job.attempted_at,
-                                              transaction_now(conn, self._db.queries.DB_NOW))
-                except HandlerTransactionError as ended:
-                    if (str(ended).startswith(ENDED)
-                            and conn.info.transaction_status == TransactionStatus.INTRANS):
-                        # one the handler began after ending the claim's: not ours to keep
-                        conn.execute(self._db.queries.END_HANDLER_TRANSACTION)
-                    raise
-            outcome = decide(job, task, result=result, ran=time.monotonic() - started)
-        except Exception as exc:  # Snooze included
-            if (conn.info.transaction_status == TransactionStatus.IDLE
-                    and not isinstance(exc, HandlerTransactionError)):
-                exc = HandlerTransactionError(f"{ENDED}; it then raised "
-                                              f"{type(exc).__name__}: {exc}")
-            outcome = decide(job, task, error=exc, ran=time.monotonic() - started)
-        assert outcome is not None  # never a cancellation here
-        reported = current_job().reported  # written with the outcome (the claim is unseen)
-        if reported is not None:
-            outcome = dataclasses.replace(outcome, progress=reported)
-        return outcome
+            check_handler_transaction(conn, job.attempted_at,
+                                      transaction_now(conn, self._db.queries.DB_NOW))
+        except HandlerTransactionError as ended:
+            if (str(ended).startswith(ENDED)
+                    and conn.info.transaction_status == TransactionStatus.INTRANS):
+                # one the handler began after ending the claim's: not ours to keep
+                conn.execute(self._db.queries.END_HANDLER_TRANSACTION)
+            raise
+        return result
 
     def _after_ended_transaction(self, conn: psycopg.Connection[Any], job: Job,
                                  outcome: Outcome) -> list[Any]:
