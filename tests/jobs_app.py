@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from skipjack import App, Backoff, Snooze, current_job
+from skipjack import App, Backoff, Discard, Snooze, current_job
 
 SCHEMA = os.environ.get("SKIPJACK_SCHEMA", "skipjack")
 app = App(schema=SCHEMA)
@@ -277,6 +277,15 @@ def _misbehave(conn: Any, how: str) -> None:
         conn.execute("SELECT 1 / 0")
     except psycopg.Error:
         pass  # and go on, with the transaction aborted
+
+
+@app.task(name="claim_discards", transaction="claim", lease=2.0)
+def claim_discards() -> None:
+    """Sends its job to the dead letter on its first start; succeeds on the next."""
+    log_event("start")
+    if _starts() == 1:
+        raise Discard("not wanted this time")
+    log_event("finish")
 
 
 @app.task(name="claim_misbehaves", transaction="claim", lease=2.0, max_attempts=2)

@@ -447,6 +447,28 @@ def test_a_claim_mode_job_whose_transaction_cannot_commit_uses_its_attempts(
     assert exec_counts(tasks.dsn, tasks.schema)[ids[0]] == 2
 
 
+def test_a_claim_mode_failure_the_database_refuses_is_written_again_in_the_claim(
+        tasks: App, tmp_path: Path) -> None:
+    """A claim-mode handler fails (it discards its job) and the database refuses that
+    outcome (a trigger): the refusal is written instead, as a retry, in the claim's own
+    transaction, the claim kept, so no other claim can take the job before its attempt is
+    counted. Before, the refusal rolled back the whole claim and the attempt was counted
+    afterwards in a transaction of its own, with the job claimable in between."""
+    tasks.task(name="claim_discards")(lambda: None)
+    job_id, = enqueue(tasks, "claim_discards", 1)
+    _trigger(tasks, job_id, "discarded")
+    log = tmp_path / "w.log"
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=log):
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=60,
+                   what="the job retried after its refused dead letter, then done")
+    job = tasks.get_job(job_id) or {}
+    assert job["attempt"] == 2 and len(job["errors"]) == 1
+    assert "may not become discarded" in job["errors"][0]["error"]
+    text = log.read_text()
+    assert "its outcome was refused by the database" in text
+    assert "could not commit" not in text
+
+
 def test_fc22_sigterm_during_claims_strands_no_job(tasks: App, tmp_path: Path) -> None:
     """SIGTERM lands while claims are in flight (32 slots, a deep queue of 1 ms jobs, the
     signal sent at a different point of each of 8 runs): after every exit no job is running,

@@ -38,7 +38,7 @@ class Job:
     run_at: datetime
     attempted_at: datetime
     idempotency_key: str | None
-    lease: float  # seconds: the job's own lease, else the worker's
+    lease: float  # seconds: the job's own lease, else (claim mode) its task's, else the worker's
     metadata: dict[str, str] | None = None
 
     @classmethod

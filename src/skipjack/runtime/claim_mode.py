@@ -491,10 +491,12 @@ class ClaimModeRunners:
                         task: Task) -> tuple[Outcome, list[Any]]:
         """Run the handler and write its outcome in one savepoint of the claim's
         transaction. A handler that fails rolls back to that savepoint (its writes with
-        it), and so does an outcome the database refuses; the attempt's failure is then
-        written in the claim's transaction, with the handler's error or the refusal, the
-        claim kept, so the job runs no second time meanwhile. (One savepoint, not one for
-        the handler inside another for its outcome: two round trips fewer a job.)"""
+        it); its failure is then written in a savepoint of its own. An outcome the database
+        refuses (a success, or such a failure) rolls back to its savepoint, and the
+        attempt's failure is written instead, with the refusal as its error, in the claim's
+        transaction: the claim is kept, so the job runs no second time meanwhile. (The
+        success path has one savepoint, not one for the handler inside another for its
+        outcome: two round trips fewer a job.)"""
         q = self._db.queries
         started = time.monotonic()
         try:
@@ -508,12 +510,7 @@ class ClaimModeRunners:
                 except psycopg.Error as refusal:
                     raise _Refused(refusal) from refusal  # rolls back to the savepoint
         except _Refused as refused:
-            if (connection_lost(refused.error)
-                    or conn.info.transaction_status == TransactionStatus.IDLE):
-                raise refused.error from None
-            log.error("job %s: its outcome was refused by the database: %s", job.id,
-                      str(refused.error).strip())
-            failed = decide(job, task, error=refused.error)
+            error = refused.error
         except Exception as exc:  # the handler failed (Snooze included)
             ended = conn.info.transaction_status == TransactionStatus.IDLE
             if ended and not isinstance(exc, HandlerTransactionError):
@@ -523,8 +520,19 @@ class ClaimModeRunners:
                                            ran=time.monotonic() - started))
             if ended:  # no transaction of the claim's is left to write in
                 return failed, self._after_ended_transaction(conn, job, failed)
-        assert failed is not None  # never a cancellation here
-        return failed, conn.execute(q.RECORD_OUTCOMES, outcome_params([failed])).fetchall()
+            try:
+                with conn.transaction():  # a refusal of it rolls back to here
+                    return failed, conn.execute(q.RECORD_OUTCOMES,
+                                                outcome_params([failed])).fetchall()
+            except psycopg.Error as refusal:
+                error = refusal
+        if connection_lost(error) or conn.info.transaction_status == TransactionStatus.IDLE:
+            raise error
+        log.error("job %s: its outcome was refused by the database: %s", job.id,
+                  str(error).strip())
+        instead = decide(job, task, error=error)
+        assert instead is not None  # never a cancellation here
+        return instead, conn.execute(q.RECORD_OUTCOMES, outcome_params([instead])).fetchall()
 
     def _count_failed_commit(self, job: Job, task: Task, exc: psycopg.Error) -> Recorded:
         """The claim's transaction failed after the handler ran and rolled back: count the
