@@ -33,7 +33,6 @@ log = logging.getLogger("skipjack.bench")
 BENCH_DB_PREFIX = "skipjack_bench_"
 
 
-
 @contextlib.contextmanager
 def quiet_job_failures() -> Iterator[None]:
     """Within the block, skipjack's log of failed jobs (``skipjack.jobs``) shows errors
@@ -46,6 +45,7 @@ def quiet_job_failures() -> Iterator[None]:
         yield
     finally:
         jobs_log.setLevel(level)
+
 
 @dataclass
 class Settings:
