@@ -52,8 +52,7 @@ def record(app: App, job_id: int, version: int, kind: str, delay: float = 0.0,
 def heartbeat(app: App, job_id: int, version: int) -> list[tuple[int]]:
     with app.connect() as conn:
         return conn.execute(app.queries.HEARTBEAT, {
-            "id": [job_id], "lease_version": [version], "lease": 30.0,
-            "min_lease": 0.0}).fetchall()
+            "id": [job_id], "lease_version": [version], "lease": [30.0]}).fetchall()
 
 
 def expire(app: App, job_id: int) -> None:
@@ -269,8 +268,8 @@ def test_heartbeat_skips_rows_locked_by_others_instead_of_waiting(app: App) -> N
             with app.connect() as conn:
                 conn.execute("SET lock_timeout = '10s'")  # the old statement waited here
                 beat = conn.execute(app.queries.HEARTBEAT, {
-                    "id": ids, "lease_version": [versions[i] for i in ids], "lease": 30.0,
-                    "min_lease": 0.0}).fetchall()
+                    "id": ids, "lease_version": [versions[i] for i in ids],
+                    "lease": [30.0] * len(ids)}).fetchall()
             assert sorted(beat) == [(ids[0], False), (ids[1], None)]
             renewed = query(app.dsn, "SELECT id FROM {schema}.jobs "
                             "WHERE lease_expires_at > now() ORDER BY id", schema=app.schema)
@@ -516,7 +515,7 @@ def test_batches_of_outcomes_and_heartbeats_on_a_growing_table_look_rows_up_by_k
             plans.clear()
             beat = conn.execute(q.HEARTBEAT, {
                 "id": [r[0] for r in rows], "lease_version": [int(r[7]) for r in rows],
-                "lease": 30.0, "min_lease": 0.0}, prepare=PREPARE_HEARTBEAT).fetchall()
+                "lease": [r[12] for r in rows]}, prepare=PREPARE_HEARTBEAT).fetchall()
             assert len(beat) == batch_size
             batch = [Outcome(r[0], int(r[7]), "", "complete") for r in rows]
             written = conn.execute(q.record_outcomes(batch_size), outcome_params(batch),

@@ -361,6 +361,32 @@ def test_a_handler_that_ends_its_jobs_transaction_fails_its_attempt(
         assert [e for (e,) in events] == ["start", "finish", "start", "finish"]  # one at a time
 
 
+def test_a_committed_claim_mode_job_is_renewed_by_its_task_s_lease(
+        tasks: App, tmp_path: Path) -> None:
+    """A claim-mode job with no lease of its own, whose handler committed its claim, is
+    renewed by the heartbeat for its task's lease (2 s), the lease it was claimed with, not
+    for the worker's (30 s): a worker that dies then gives it back to the rescuer after 2 s."""
+    tasks.task(name="claim_misbehaves", max_attempts=2)(lambda **kw: None)
+    (job_id,) = enqueue(tasks, "claim_misbehaves", how="COMMIT_BEGIN", seconds=3.0)
+    query(tasks.dsn, "UPDATE {schema}.jobs SET lease_seconds = NULL WHERE id = %s", [job_id],
+          schema=tasks.schema)
+    renewed = ("SELECT extract(epoch FROM lease_expires_at - now())::float8 FROM {schema}.jobs"
+               " WHERE id = %s AND state = 'running'"
+               " AND lease_expires_at > attempted_at + interval '2.05 s'")
+    left: list[float] = []  # seconds from the renewal's read to the lease's end
+
+    def renewal() -> bool:
+        left.extend(r[0] for r in query(tasks.dsn, renewed, [job_id], schema=tasks.schema))
+        return bool(left)
+
+    args = ["--lease", "30", "--heartbeat", "0.3", "--rescue-interval", "0.5"]
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *args, log=tmp_path / "w.log"):
+        wait_until(renewal, timeout=30, what="a renewal of the committed claim")
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1}, timeout=60,
+                   what="the job done on its second attempt")
+    assert 0 < left[0] <= 2.0, left
+
+
 def test_a_short_idle_timeout_of_the_role_does_not_end_complete_handlers(
         tasks: App, tmp_path: Path) -> None:
     """The database's idle_in_transaction_session_timeout (here 300 ms, set for the worker's

@@ -123,12 +123,12 @@ class Leases:
 
 
 class HeartbeatThread(threading.Thread):
-    """Renews the leases of this worker's running jobs every ``interval`` seconds.
+    """Renews the leases of this worker's running jobs every ``interval`` seconds, each by
+    the lease it was claimed with (``Lease.lease``).
 
     Args:
         db: the app's database.
         leases: the shared running set.
-        lease: the worker's lease length in seconds (a job may carry its own).
         interval: seconds between renewals (< lease / 2, checked by the worker).
         on_lost: called (from this thread) with (job id, lease_version, reason) for a job whose
             lease this worker no longer holds: the renewal found the token changed, or no
@@ -143,7 +143,6 @@ class HeartbeatThread(threading.Thread):
         db: Database,
         leases: Leases,
         *,
-        lease: float,
         interval: float,
         on_lost: Callable[[int, int, str], None],
         on_cancel: Callable[[int, int], None],
@@ -151,7 +150,6 @@ class HeartbeatThread(threading.Thread):
         super().__init__(name="skipjack-heartbeat", daemon=True)
         self._db = db
         self._leases = leases
-        self._lease = lease
         self._interval = interval
         self._on_lost = on_lost
         self._on_cancel = on_cancel
@@ -269,8 +267,8 @@ class HeartbeatThread(threading.Thread):
             self._conn = self._db.connect()
         rows = self._conn.execute(
             self._db.queries.HEARTBEAT,
-            {"lease": self._lease, "min_lease": 3 * self._interval, "id": [x.id for x in held],
-             "lease_version": [x.lease_version for x in held]},
+            {"id": [x.id for x in held], "lease_version": [x.lease_version for x in held],
+             "lease": [x.lease for x in held]},
             prepare=PREPARE_HEARTBEAT,
         ).fetchall()
         # job id -> cancel_requested, or None for a job still held but locked by another

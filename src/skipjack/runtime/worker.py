@@ -257,10 +257,10 @@ class Worker:
                                   self._claim_params, batch_size=self.batch_size,
                                   fairness_every=self.fairness_every,
                                   poll_interval=self.poll_interval)
-        self._heartbeat_thread = HeartbeatThread(db, self._leases, lease=self.lease,
-                                    interval=self.heartbeat,
-                                    on_lost=self._threadsafe(self._executor.lease_lost),
-                                    on_cancel=self._threadsafe(self._executor.cancel_requested))
+        self._heartbeat_thread = HeartbeatThread(
+            db, self._leases, interval=self.heartbeat,
+            on_lost=self._threadsafe(self._executor.lease_lost),
+            on_cancel=self._threadsafe(self._executor.cancel_requested))
         self._maintenance = Maintenance(
             db, stage_interval=self.stage_interval, rescue_interval=self.rescue_interval,
             retention=self.retention, discarded_retention=self.discarded_retention,

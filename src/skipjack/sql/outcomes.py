@@ -106,7 +106,9 @@ RECORD_OUTCOMES = _RECORD.replace("{outcomes}", _OUTCOMES).replace(
 RECORD_MANY_OUTCOMES = _RECORD.replace(
     "{outcomes}", f"(SELECT * FROM {_OUTCOMES} LIMIT %(count)s) AS o").replace("{match}", "")
 
-# Renew the leases of a batch of running jobs (fenced). It never waits on a row lock (SKIP
+# Renew the leases of a batch of running jobs (fenced), each by the lease (seconds) it was
+# claimed with: its own, else its task's (a claim-mode job), else the worker's, already at
+# least the claim's min_lease (claim_jobs). It never waits on a row lock (SKIP
 # LOCKED): the worker's own completer, a cancel request or a rescuer may hold some of the rows,
 # and waiting on them in another order than theirs could deadlock. One row per job still held
 # as of the statement's snapshot: cancel_requested is NULL for a job locked by someone else
@@ -118,19 +120,19 @@ RECORD_MANY_OUTCOMES = _RECORD.replace(
 PREPARE_HEARTBEAT = False
 HEARTBEAT = """
 WITH h AS (
-    SELECT j.id, j.lease_version FROM {schema}.jobs AS j
-      JOIN unnest(%(id)s::bigint[], %(lease_version)s::bigint[]) AS h(id, lease_version)
+    SELECT j.id, j.lease_version, h.lease FROM {schema}.jobs AS j
+      JOIN unnest(%(id)s::bigint[], %(lease_version)s::bigint[], %(lease)s::float8[])
+           AS h(id, lease_version, lease)
         ON j.id = h.id AND j.lease_version = h.lease_version
      WHERE j.state = 'running'
 ), locked AS (
-    SELECT j.id FROM {schema}.jobs AS j
+    SELECT j.id, h.lease FROM {schema}.jobs AS j
       JOIN h ON j.id = h.id AND j.lease_version = h.lease_version
      WHERE j.state = 'running'
        FOR NO KEY UPDATE OF j SKIP LOCKED
 ), renewed AS (
     UPDATE {schema}.jobs AS j
-       SET lease_expires_at = now() + make_interval(secs => greatest(
-                                  coalesce(j.lease_seconds, %(lease)s), %(min_lease)s))
+       SET lease_expires_at = now() + make_interval(secs => locked.lease)
       FROM locked WHERE j.id = locked.id
     RETURNING j.id, j.cancel_requested
 )
