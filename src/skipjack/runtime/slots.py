@@ -69,8 +69,10 @@ class Slots:
         self.claims_paused = False
         # Outcomes waiting to be written past which nothing more is claimed: ten times the
         # slots plus two full prefetch buffers (at least 1,000), far above what piles up
-        # while one write runs, so only a stalled completer reaches it. It bounds the
-        # finished jobs that a crash during such a stall would run again.
+        # while one write runs: a stalled completer reaches it, or one that a saturated
+        # machine leaves behind (W5 at 90% of W2 in run U of docs/performance.md: 2,100-2,500
+        # outcomes at 48,000 jobs/s on 2 cores), where pausing the claims is the back-pressure
+        # wanted. It bounds the finished jobs that a crash during such a stall would run again.
         most = MAX_PREFETCH if prefetch is None else prefetch
         self.max_unwritten = max(1000, 10 * concurrency + 2 * most)
 
