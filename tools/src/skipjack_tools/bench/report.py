@@ -300,7 +300,9 @@ def _other_table(sj: dict[str, Any]) -> Table:
                   f"{_fmt(soak['claim_p99_last_over_first'], 2)}); table + indexes "
                   f"{_fmt((soak['size_end_bytes'] or 0) / 2**20, 0)} MiB at the end, x"
                   f"{_fmt(soak['size_end_over_half'], 2)} of half time (retention "
-                  f"{soak['retention_s']:.0f} s)")
+                  f"{soak['retention_s']:.0f} s); WAL {_fmt(soak.get('wal_bytes_per_job'), 0)}"
+                  f" B a job; checkpoints: {soak.get('checkpoints_requested')} requested "
+                  f"(by WAL volume or a command), {soak.get('checkpoints_timed')} timed")
     over_network = sj.get("hosts", {})
     if "skipped" in over_network:
         t.add_row("hosts skipped", escape(str(over_network["skipped"])))

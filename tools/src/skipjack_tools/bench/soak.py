@@ -16,6 +16,9 @@ Measured:
   run) with their ratio (target: the last within 1.2x of the first);
 - every 10 s: the jobs table's size and its indexes' (bytes), live and dead rows, the
   runnable backlog, the jobs enqueued so far, and autovacuum's runs on the table;
+- every 10 s also: the server's WAL written since the start (bytes) and its checkpoints,
+  those started because the WAL reached ``max_wal_size`` (1 GB by default) counted apart
+  from the timed ones; the run's WAL bytes per job enqueued;
 - growth: the table + index size at the end over its size at half time (1.0: flat);
 - whether the worker kept up: the backlog of the last window under one second's jobs.
 """
@@ -47,6 +50,12 @@ SELECT pg_table_size(c.oid), pg_indexes_size(c.oid), s.n_live_tup, s.n_dead_tup,
   FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid
  WHERE c.oid = %s::regclass
 """
+# The server's checkpoints so far: (timed, requested: by WAL volume or by a command), from
+# pg_stat_checkpointer since PostgreSQL 17, pg_stat_bgwriter before.
+CHECKPOINTS = "SELECT num_timed, num_requested FROM pg_stat_checkpointer"
+CHECKPOINTS_BEFORE_17 = "SELECT checkpoints_timed, checkpoints_req FROM pg_stat_bgwriter"
+WAL_LSN = "SELECT pg_current_wal_lsn()"
+WAL_SINCE = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)::bigint"
 
 
 def _enqueue_steadily(app: App, per_second: float, seconds: float, stop: threading.Event,
@@ -71,13 +80,21 @@ def _sample_sizes(app: App, started: float, stop: threading.Event, sent: list[in
     query = sql.SQL(SIZES).format(jobs=sql.Identifier(app.schema, "jobs"))
     with connect(app.dsn) as conn:
         table = sql.Identifier(app.schema, "jobs").as_string(conn)
+        checkpoints = (CHECKPOINTS if conn.info.server_version >= 170000
+                       else CHECKPOINTS_BEFORE_17)
+        timed0, requested0 = conn.execute(checkpoints).fetchone() or (0, 0)
+        lsn = (conn.execute(WAL_LSN).fetchone() or [None])[0]
         while True:
             row = conn.execute(query, [table]).fetchone()
+            timed, requested = conn.execute(checkpoints).fetchone() or (0, 0)
+            wal = (conn.execute(WAL_SINCE, [lsn]).fetchone() or [None])[0]
             if row:
                 out.append({"t": round(time.monotonic() - started, 1), "table_bytes": row[0],
                             "index_bytes": row[1], "live_rows": row[2], "dead_rows": row[3],
                             "autovacuum_runs": row[4], "backlog": row[5],
-                            "enqueued": sent[0]})
+                            "enqueued": sent[0], "wal_bytes": wal,
+                            "checkpoints_timed": timed - timed0,
+                            "checkpoints_requested": requested - requested0})
             if stop.wait(SAMPLE_EVERY):
                 return
 
@@ -151,5 +168,11 @@ def run(settings: Settings, w2_at_10: float | None = None) -> dict[str, Any]:
         "claim_p99_last_over_first": round(last / first, 2) if first and last else None,
         "size_end_over_half": round(total[-1] / half, 2) if half and total else None,
         "size_end_bytes": total[-1] if total else None,
+        # the WAL and checkpoints of the whole server during the run (the worker, the
+        # enqueuer, the probe, the pruner and autovacuum)
+        "wal_bytes_per_job": (round(samples[-1]["wal_bytes"] / sent[0], 1)
+                              if samples and sent[0] and samples[-1]["wal_bytes"] else None),
+        "checkpoints_timed": samples[-1]["checkpoints_timed"] if samples else None,
+        "checkpoints_requested": samples[-1]["checkpoints_requested"] if samples else None,
         "claim_ms": series, "sizes": samples,
     }
