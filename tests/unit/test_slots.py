@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
+from types import SimpleNamespace
+
+import pytest
 
 from skipjack.context import Job, JobContext
-from skipjack.runtime.slots import MAX_PREFETCH, Running, Slots
+from skipjack.runtime import slots as slots_module
+from skipjack.runtime.slots import MAX_PREFETCH, PAUSE_WARNING_INTERVAL, Running, Slots
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -52,7 +57,36 @@ def test_unwritten_outcomes_pause_claims_until_they_are_written() -> None:
     assert Slots(concurrency=10, prefetch=None).max_unwritten == 2100  # the largest buffer
     assert slots.room(999) == 20 and not slots.claims_paused
     assert slots.room(1000) == 0 and slots.claims_paused
-    assert slots.room(5) == 20 and not slots.claims_paused
+    assert slots.room(999) == 0 and slots.room(501) == 0  # until half as many wait
+    assert slots.room(500) == 20 and not slots.claims_paused
+    assert slots.room(999) == 20
+
+
+def test_a_pause_is_warned_at_most_once_a_minute_with_the_pauses_since(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(slots_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    caplog.set_level(logging.INFO, logger="skipjack.worker")
+    slots = Slots(concurrency=10, prefetch=10)
+
+    def pause_and_resume() -> None:
+        assert slots.room(1000) == 0 and slots.claims_paused
+        assert slots.room(0) == 20 and not slots.claims_paused
+
+    pause_and_resume()
+    now[0] += 1
+    pause_and_resume()
+    pause_and_resume()
+    now[0] += PAUSE_WARNING_INTERVAL
+    pause_and_resume()
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert messages == [
+        ("WARNING", "1000 outcomes wait to be written; claiming paused until no more than 500 do"),
+        ("INFO", "outcomes written; claiming again"),
+        ("WARNING", "1000 outcomes wait to be written; claiming paused until no more than 500 do"
+                    " (2 more pauses since the last such warning)"),
+        ("INFO", "outcomes written; claiming again"),
+    ]
 
 
 def test_adaptive_prefetch_follows_the_handlers_run_time() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from ..context import Job, JobContext
@@ -26,6 +27,10 @@ MAX_PREFETCH = 1000
 # Weight of the latest handler time in the running average (an exponentially weighted
 # moving average: about the last 1 / RUN_TIME_WEIGHT jobs count).
 RUN_TIME_WEIGHT = 0.05
+# Seconds between two warnings that outcomes waiting to be written paused the claims: a
+# worker kept at that limit by a saturated machine pauses several times a second (run U of
+# docs/performance.md, W5 at 90% of W2: ten pauses in four seconds).
+PAUSE_WARNING_INTERVAL = 60.0
 
 
 @dataclass
@@ -67,6 +72,9 @@ class Slots:
         self.claim_mode = 0
         self.stuck_threads = 0
         self.claims_paused = False
+        self._pause_warned = False  # the present pause was logged
+        self._warned_at: float | None = None  # time.monotonic() of the last such warning
+        self._pauses_unwarned = 0  # pauses since then
         # Outcomes waiting to be written past which nothing more is claimed: ten times the
         # slots plus two full prefetch buffers (at least 1,000), far above what piles up
         # while one write runs: a stalled completer reaches it, or one that a saturated
@@ -104,17 +112,30 @@ class Slots:
         """How many more jobs to claim now, with ``unwritten`` outcomes waiting to be written:
         the free slots plus the prefetch buffer's free places; but nothing while the buffer
         is over half full (so claims come in batches rather than one job per finished job),
-        nor while more outcomes wait than ``max_unwritten`` (the database is not taking
-        them: a row lock held elsewhere, a slow disk)."""
-        if unwritten >= self.max_unwritten:
-            if not self.claims_paused:
-                self.claims_paused = True
-                log.warning("%d outcomes wait to be written; claiming paused until they are",
-                            unwritten)
-            return 0
+        nor from the moment ``max_unwritten`` outcomes wait (the database is not taking
+        them: a row lock held elsewhere, a slow disk, a saturated machine) until no more
+        than half as many do, so that a worker held at the limit does not pause and resume
+        at every outcome batch. A pause is logged as a warning, at most once every
+        ``PAUSE_WARNING_INTERVAL`` seconds (with the count of pauses since the last one)."""
         if self.claims_paused:
+            if unwritten > self.max_unwritten // 2:
+                return 0
             self.claims_paused = False
-            log.info("outcomes written; claiming again")
+            if self._pause_warned:
+                log.info("outcomes written; claiming again")
+        elif unwritten >= self.max_unwritten:
+            self.claims_paused = True
+            self._pause_warned = False
+            now = time.monotonic()
+            if self._warned_at is None or now - self._warned_at >= PAUSE_WARNING_INTERVAL:
+                since = (f" ({self._pauses_unwarned} more pauses since the last such warning)"
+                         if self._pauses_unwarned else "")
+                log.warning("%d outcomes wait to be written; claiming paused until no more "
+                            "than %d do%s", unwritten, self.max_unwritten // 2, since)
+                self._pause_warned, self._warned_at, self._pauses_unwarned = True, now, 0
+            else:
+                self._pauses_unwarned += 1
+            return 0
         return self._free()
 
     def _free(self) -> int:
