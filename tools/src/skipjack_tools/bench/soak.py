@@ -35,6 +35,7 @@ from skipjack.app import App
 
 from . import drain
 from .common import Settings, connect, fresh_app, percentiles
+from .raw import WAL_SINCE
 from .scaling import ClaimProbe
 from .tasks import register
 from .worker_run import WorkerProcesses
@@ -55,7 +56,6 @@ SELECT pg_table_size(c.oid), pg_indexes_size(c.oid), s.n_live_tup, s.n_dead_tup,
 CHECKPOINTS = "SELECT num_timed, num_requested FROM pg_stat_checkpointer"
 CHECKPOINTS_BEFORE_17 = "SELECT checkpoints_timed, checkpoints_req FROM pg_stat_bgwriter"
 WAL_LSN = "SELECT pg_current_wal_lsn()"
-WAL_SINCE = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)::bigint"
 
 
 def _enqueue_steadily(app: App, per_second: float, seconds: float, stop: threading.Event,
