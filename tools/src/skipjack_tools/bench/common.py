@@ -27,7 +27,7 @@ from ..sql import AUTOVACUUMS, CHECKPOINT, DROP_SCHEMA, render
 
 QUEUE = "bench"
 # W1 bulk: calls of the whole batch per run, their median the run's figure (one call of
-# 10,000 jobs spread by half within a run: docs/performance.md, run J)
+# 10,000 jobs spread by half within a run: docs/performance-runs.md, run J)
 BULK_CALLS = 5
 log = logging.getLogger("skipjack.bench")
 BENCH_DB_PREFIX = "skipjack_bench_"
