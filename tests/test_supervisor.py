@@ -85,6 +85,12 @@ def test_processes_run_restart_share_one_metrics_endpoint_and_stop(app: App,
         assert supervisor.wait(60) == 0
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status()
                        != psutil.STATUS_ZOMBIE for p in pids)
+        # the log names the endpoints asked for, not the processes' own
+        text = (tmp_path / "supervisor.log").read_text()
+        assert f"metrics of every worker process at http://127.0.0.1:{port}/metrics" in text
+        assert f"at http://127.0.0.1:{health}/livez and /readyz" in text
+        assert "metrics at http" not in text, text
+        assert "stopped: claimed" in text
     finally:
         if supervisor.poll() is None:
             supervisor.kill()

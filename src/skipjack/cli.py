@@ -344,8 +344,8 @@ def roles(ctx: click.Context, worker_role: str | None, enqueuer_role: str | None
 @click.option("--discarded-retention", default=None, type=DURATION,
               help="Prune discarded jobs older than this [10 x retention].")
 @click.option("--prefetch", default=None, type=click.IntRange(0, 10_000),
-              help="Jobs claimed ahead of free slots [adaptive: about 50 ms of work at the "
-                   "handlers' average run time, 0 to 1000].")
+              help="Jobs claimed ahead of free slots, 0 to 10000 [adaptive: about 50 ms of "
+                   "work at the handlers' average run time, 0 to 1000].")
 @click.option("--fairness-every", default=10, show_default=True, type=click.IntRange(0),
               help="Every n-th claim that takes jobs from a queue takes the oldest ones "
                    "of the priority that has waited longest (0: strict priority).")
@@ -432,8 +432,7 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
             serve_metrics(w, metrics_port, metrics_host)
         except OSError:
             raise _serving("metrics", metrics_host, metrics_port) from None
-        logging.getLogger("skipjack.worker").info(
-            "metrics at http://%s:%d/metrics", metrics_host, metrics_port)
+        _log_address("metrics at http://%s:%d/metrics", metrics_host, metrics_port)
     if health_port is not None:
         from .runtime.health import serve_health
 
@@ -441,12 +440,20 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
             serve_health(w, health_port, health_host)
         except OSError:
             raise _serving("health checks", health_host, health_port) from None
-        logging.getLogger("skipjack.worker").info(
-            "health checks at http://%s:%d/livez and /readyz", health_host, health_port)
+        _log_address("health checks at http://%s:%d/livez and /readyz", health_host,
+                     health_port)
     w.run()
     embedded.release()  # os._exit skips the atexit hook that would
     logging.shutdown()
     os._exit(0)  # do not wait for sync handler threads that ignored the shutdown
+
+
+def _log_address(message: str, host: str, port: int) -> None:
+    """Log where the worker serves an endpoint; under ``--processes`` only at DEBUG (the
+    address is the supervisor's to read, which logs its own)."""
+    supervised = bool(os.environ.get("SKIPJACK_WORKER_PROCESS"))
+    logging.getLogger("skipjack.worker").log(logging.DEBUG if supervised else logging.INFO,
+                                             message, host, port)
 
 
 def _process_count(value: str) -> int:
@@ -480,7 +487,9 @@ def _metrics_module() -> Any:
               envvar="SKIPJACK_QUEUE_METRICS_HOST",
               help="Address to listen on [$SKIPJACK_QUEUE_METRICS_HOST].")
 @click.option("--cache", "cache_seconds", default="10s", show_default=True, type=DURATION,
-              help="How long one reading of the database serves scrapes.")
+              envvar="SKIPJACK_QUEUE_METRICS_CACHE",
+              help="How long one reading of the database serves scrapes "
+                   "[$SKIPJACK_QUEUE_METRICS_CACHE].")
 @click.pass_context
 def metrics_command(ctx: click.Context, port: int, host: str, cache_seconds: float) -> None:
     """Serve queue-level Prometheus gauges read from the database (depth per queue and

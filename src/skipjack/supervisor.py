@@ -219,6 +219,8 @@ class Supervisor:
         self._servers.append(server)
         threading.Thread(target=server.serve_forever, daemon=True,
                          name=f"skipjack-supervisor-{what}").start()
+        log.info("%s of every worker process at http://%s:%d%s", what, host, port,
+                 " and ".join(pages))
 
     def _metrics_page(self) -> tuple[int, str, bytes]:
         return (200, "text/plain; version=0.0.4; charset=utf-8",

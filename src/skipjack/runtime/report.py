@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
@@ -69,6 +69,11 @@ class WorkerStats:
     stale_writes: int = 0  # outcome writes rejected by fencing
     leases_lost: int = 0
     rescued: int = 0  # jobs of any worker this one's rescuer found with an expired lease
+
+    def __str__(self) -> str:
+        """The counters for a log line: ``claimed 10, succeeded 9, ..., rescued 0``."""
+        return ", ".join(f"{name.replace('_', ' ')} {value}"
+                         for name, value in asdict(self).items())
 
 
 class Reporter:

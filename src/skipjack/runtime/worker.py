@@ -296,7 +296,9 @@ class Worker:
         await self.run_async()
 
     def _on_signal(self, sig: int) -> None:
-        if self._stop_requested:
+        # _stop_requested is set on the loop's next turn: a signal of the same turn (SIGINT
+        # from the terminal with the supervisor's SIGTERM) finds only _first_signal set
+        if self._stop_requested or self._first_signal:
             if time.monotonic() - self._first_signal < 1.0:
                 return  # the same stop sent twice (e.g. to the process group): not a second
             log.warning("second %s: exiting now", signal.Signals(sig).name)

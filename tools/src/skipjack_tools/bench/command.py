@@ -37,7 +37,8 @@ def _names(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
               help="PNG of throughput vs concurrency and of latency (needs matplotlib).")
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG.")
 @click.option("--compare", default="", metavar="PEERS",
-              help="Also run W1-W4 for these libraries, e.g. pgqueuer,procrastinate,chancy.")
+              help="Also run W1-W4 for these libraries, e.g. pgqueuer,oban (known: "
+                   f"{', '.join(known_peers())}).")
 @click.option("--only", default=",".join(SCENARIOS), show_default=True, metavar="SCENARIOS",
               help="Run only these of skipjack's scenarios; also: "
                    f"{', '.join(OPTIONAL)} (20 minutes at scale 1).")
@@ -57,9 +58,11 @@ def _names(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
 def bench(ctx: click.Context, as_json: bool, output: str | None, plot_path: str,
           no_plot: bool, compare: str, only: str, scale: float, runs: int,
           quick: bool, metrics: bool, soak_rate: float | None) -> None:
-    """Benchmark skipjack (W1-W8, the SQL ceiling, memory), optionally side by side with
-    other PostgreSQL queues. Each scenario runs in a schema or database of its own, dropped
-    afterwards. Use --dsn on the main command for a server; else the embedded one."""
+    """Benchmark skipjack (the database's raw limits, the SQL ceiling, W1-W10, worker hosts,
+    memory, the dashboard; the soak on request), optionally side by side with other
+    PostgreSQL queues (W1-W4; see docs/performance.md). Each scenario runs in a schema or
+    database of its own, dropped afterwards. Use --dsn on the main command for a server;
+    else the embedded one."""
     obj: dict[str, Any] = ctx.obj or {}
     console = Console(stderr=as_json)
     peers = _names(compare, known_peers(), "peer")

@@ -10,9 +10,11 @@ response times reported (p50, p95, max), against the 200 ms target.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
@@ -79,7 +81,19 @@ def _fetch(url: str) -> tuple[int, float]:
     return status, (time.perf_counter() - t0) * 1000
 
 
+# What ``skipjack dashboard`` imports from skipjack's ``dashboard`` extra.
+EXTRA = ("starlette", "jinja2", "uvicorn", "multipart")
+
+
 def run(settings: Settings) -> dict[str, Any]:
+    """D1 (see the module's doc); ``{"skipped": why}`` when skipjack's dashboard extra is
+    not installed."""
+    missing = [name for name in EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        why = (f"the dashboard needs skipjack's extra ({', '.join(missing)} missing): "
+               "pip install 'skipjack[dashboard]'")
+        settings.log(f"dashboard skipped: {why}")
+        return {"skipped": why}
     finished = max(1000, int(5_000_000 * settings.scale))
     waiting = max(100, int(100_000 * settings.scale))
     repeats = 3 if settings.quick else 15
@@ -96,13 +110,18 @@ def run(settings: Settings) -> dict[str, Any]:
                 "SELECT id FROM {} WHERE state = 'discarded' ORDER BY id DESC LIMIT 1").format(
                     sql.Identifier(app.schema, "jobs"))).fetchone()
         port = free_port()
+        errors = tempfile.TemporaryFile()
         proc = subprocess.Popen(
             [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "-q",
              "dashboard", "--port", str(port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+            stdout=subprocess.DEVNULL, stderr=errors, env=dict(os.environ))
         base = f"http://127.0.0.1:{port}"
         try:
-            wait_for(lambda: _answers(base), timeout=60)
+            wait_for(lambda: _answers(base) or proc.poll() is not None, timeout=60)
+            if proc.poll() is not None:
+                errors.seek(0)
+                raise RuntimeError(f"skipjack dashboard exited with status {proc.returncode}: "
+                                   + errors.read().decode(errors="replace").strip()[-2000:])
             since = time.strftime("%Y-%m-%dT%H:%M", time.gmtime(time.time() - 3600))
             pages = {
                 "overview": "/",
@@ -135,6 +154,7 @@ def run(settings: Settings) -> dict[str, Any]:
         finally:
             proc.terminate()
             proc.wait(30)
+            errors.close()
     slowest = max(r["p95"] for r in results.values())
     return {"finished_jobs": finished, "waiting_jobs": waiting, "fill_seconds": round(fill_s, 1),
             "repeats": repeats, "pages_ms": results, "slowest_p95_ms": slowest,
