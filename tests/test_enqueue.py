@@ -575,3 +575,18 @@ def test_a_conn_keyword_for_a_task_without_one_points_to_enqueue_on(app: App) ->
     with app.connect(autocommit=False) as conn, \
             pytest.raises(ValidationError, match=r"enqueue_on\(conn"):
         app.tasks["plain"].enqueue(n=1, conn=conn)
+
+
+def test_arguments_given_by_position_are_refused_with_the_keywords_to_use(app: App) -> None:
+    @app.task(name="add")
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    for call in (lambda: add.enqueue(2, 3), lambda: asyncio.run(add.enqueue_async(2, 3))):
+        with pytest.raises(ValidationError, match=r"task 'add': arguments are given by keyword "
+                                                  r"\(task\.enqueue(_async)?\(x=\.\.\., "
+                                                  r"y=\.\.\.\)\), not by position: got 2"):
+            call()
+    with pytest.raises(ValidationError, match=r"task\.job\(x=\.\.\.\)"):
+        add.job(2)
+    assert query(app.dsn, "SELECT count(*) FROM {schema}.jobs", schema=app.schema)[0][0] == 0

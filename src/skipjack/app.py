@@ -149,13 +149,17 @@ class Task:
             raise ValidationError("run_at", "give run_at or delay, not both")
         return dataclasses.replace(self, **changes)
 
-    def job(self, **kwargs: Any) -> JobSpec:
+    def job(self, *args: Any, **kwargs: Any) -> JobSpec:
         """A validated job for this task with ``kwargs`` as its arguments (not yet enqueued).
+        Arguments are stored by name, so they are given by keyword.
 
         Raises:
             ValidationError: the arguments break a rule of ``skipjack.jobs``, or do not
-                fit the handler's signature (an unexpected or missing argument).
+                fit the handler's signature (an unexpected or missing argument), or some
+                are positional.
         """
+        if args:
+            raise self._positional(args, "job")
         if self.arguments is not None:
             problem = self.arguments.mismatch(kwargs)
             if problem is not None:
@@ -165,7 +169,7 @@ class Task:
                        self.priority, self.max_attempts, self.run_at, self.delay,
                        self.idempotency_key, self.lease, self.unique_states)
 
-    def enqueue(self, **kwargs: Any) -> JobHandle:
+    def enqueue(self, *args: Any, **kwargs: Any) -> JobHandle:
         """Enqueue one job, with ``kwargs`` as its arguments, as ``App.enqueue`` does
         without ``conn`` (on the app's own connection, committed at once, unless the app
         joins a framework's transaction); returns its ``skipjack.JobHandle``.
@@ -175,13 +179,25 @@ class Task:
             ValidationError: as ``job``; or ``conn`` given, which the handler does not
                 take (the message points to ``enqueue_on``).
         """
+        if args:
+            raise self._positional(args, "enqueue")
         self._refuse_conn(kwargs)
         return self.app.enqueue(self.job(**kwargs))
 
-    async def enqueue_async(self, **kwargs: Any) -> JobHandle:
+    async def enqueue_async(self, *args: Any, **kwargs: Any) -> JobHandle:
         """Async ``enqueue``."""
+        if args:
+            raise self._positional(args, "enqueue_async")
         self._refuse_conn(kwargs, "enqueue_on_async")
         return await self.app.enqueue_async(self.job(**kwargs))
+
+    def _positional(self, args: tuple[Any, ...], method: str) -> ValidationError:
+        """The error for arguments given by position to ``method``."""
+        names = self.arguments.order if self.arguments is not None else ()
+        example = ", ".join(f"{n}=..." for n in names[:len(args)]) or "name=value"
+        return ValidationError("args", f"task {self.name!r}: arguments are given by keyword "
+                                       f"(task.{method}({example})), not by position: got "
+                                       f"{len(args)} positional")
 
     def _refuse_conn(self, kwargs: dict[str, Any], instead: str = "enqueue_on") -> None:
         if "conn" in kwargs and not (self.arguments is None or self.arguments.any_keyword
