@@ -589,4 +589,7 @@ def test_arguments_given_by_position_are_refused_with_the_keywords_to_use(app: A
             call()
     with pytest.raises(ValidationError, match=r"task\.job\(x=\.\.\.\)"):
         add.job(2)
+    with psycopg.connect(app.dsn) as conn:
+        with pytest.raises(ValidationError, match=r"task\.enqueue_on\(x=\.\.\.\)"):
+            add.enqueue_on(conn, 2)
     assert query(app.dsn, "SELECT count(*) FROM {schema}.jobs", schema=app.schema)[0][0] == 0

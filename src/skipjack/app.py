@@ -206,7 +206,7 @@ class Task:
                                   f"enqueue in your transaction, call "
                                   f"task.{instead}(conn, **arguments)")
 
-    def enqueue_on(self, conn: object, /, **kwargs: Any) -> JobHandle:
+    def enqueue_on(self, conn: object, /, *args: Any, **kwargs: Any) -> JobHandle:
         """Enqueue one job in the transaction of ``conn`` (anything ``App.enqueue``
         takes as ``conn``: a psycopg connection, an SQLAlchemy session or connection, a
         Django connection), with ``kwargs`` as its arguments. ``conn`` is positional, so a
@@ -217,11 +217,15 @@ class Task:
             ValidationError: as ``job``, or ``conn`` is not a connection skipjack can
                 use.
         """
+        if args:
+            raise self._positional(args, "enqueue_on")
         return self.app.enqueue(self.job(**kwargs), conn=conn)
 
-    async def enqueue_on_async(self, conn: object, /, **kwargs: Any) -> JobHandle:
+    async def enqueue_on_async(self, conn: object, /, *args: Any, **kwargs: Any) -> JobHandle:
         """Async ``enqueue_on``: ``conn`` is a psycopg ``AsyncConnection``, or an
         SQLAlchemy ``AsyncSession`` or ``AsyncConnection``."""
+        if args:
+            raise self._positional(args, "enqueue_on_async")
         return await self.app.enqueue_async(self.job(**kwargs), conn=conn)
 
 
