@@ -104,4 +104,71 @@ def test_a_worker_that_cannot_start_stops_the_supervisor(app: App) -> None:
          "jobs_app:app", "--processes", "2", "--lease", "1s"],  # too short for the heartbeat
         cwd=TESTS, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "refused to start" in done.stderr
+    assert "failed to start (status 2)" in done.stderr
+
+
+def test_a_failed_restart_is_retried_and_no_worker_outlives_its_supervisor(
+        app: App, tmp_path: Path) -> None:
+    marker = tmp_path / "fail-imports"
+    env = {**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn,
+           "FLAKY_APP_MARKER": str(marker)}
+    command = [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema,
+               "worker", "flaky_app:app", "--processes", "2", "--name", "box",
+               "--health-port", str(health := free_port()), "--health-host", "127.0.0.1"]
+    # a first start that fails stops the supervisor with the worker's status, as one
+    # `skipjack worker` would exit
+    marker.touch()
+    done = subprocess.run(command, cwd=TESTS, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "failed to start (status 1)" in done.stderr
+    marker.unlink()
+
+    log = open(tmp_path / "supervisor.log", "wb")
+    supervisor = subprocess.Popen(command, cwd=TESTS, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
+    try:
+        def children() -> list[psutil.Process]:
+            return [c for c in psutil.Process(supervisor.pid).children()
+                    if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+        def names() -> set[str]:
+            return {w["name"] for w in app.workers()}
+
+        wait_until(lambda: names() == {"box-0", "box-1"}, timeout=60,
+                   what="two workers, each with its own name")
+        # a later start that fails (here: the import; as well a database that cannot be
+        # reached) is retried, and the other process serves on
+        marker.touch()
+        victim, other = children()
+        victim.kill()
+        wait_until(lambda: "ended with status 1; starting it again" in
+                   (tmp_path / "supervisor.log").read_text(), timeout=60,
+                   what="the restart failed and is retried")
+        assert supervisor.poll() is None and other.is_running()
+        # while the supervisor starts it again, the process counts as live, not ready
+        status, body = http_get(f"http://127.0.0.1:{health}/livez")
+        assert status == 200, body
+        assert http_get(f"http://127.0.0.1:{health}/readyz")[0] == 503
+        marker.unlink()
+        wait_until(lambda: len(children()) == 2 and {c.pid for c in children()}
+                   <= {w["pid"] for w in app.workers()}, timeout=90,
+                   what="the process started again once it can import, and serving")
+        assert http_get(f"http://127.0.0.1:{health}/readyz")[0] == 200
+
+        # the supervisor killed outright: its workers notice and stop, gracefully
+        pids = [c.pid for c in children()]
+        supervisor.kill()
+        supervisor.wait(30)
+        wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
+                                   != psutil.STATUS_ZOMBIE for p in pids),
+                   timeout=60, what="no worker outlives its supervisor")
+        text = (tmp_path / "supervisor.log").read_text()
+        assert text.count("the supervisor has ended: stopping") == 2, text
+        assert text.count("stopped: claimed") == 2, text
+        assert app.workers() == []  # each removed its registry row as it stopped
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait(30)
+        log.close()

@@ -402,11 +402,11 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
         from .supervisor import Supervisor, child_argv, command_line
 
         argv = child_argv(sys.argv[1:], ["--processes", "--metrics-port", "--metrics-host",
-                                         "--health-port", "--health-host"])
+                                         "--health-port", "--health-host", "--name"])
         metrics = (metrics_host, metrics_port) if metrics_port is not None else None
         health = (health_host, health_port) if health_port is not None else None
-        sys.exit(Supervisor([*command_line(), *argv], count, grace=grace, metrics=metrics,
-                            health=health).run())
+        sys.exit(Supervisor([*command_line(), *argv], count, grace=grace, name=name,
+                            metrics=metrics, health=health).run())
     if log_levels or log_format or verbose:  # the worker's own logging options
         levels, fmt, loud, quiet = ctx.obj["logging"]
         _configure_logging((*levels, *log_levels), log_format or fmt, loud or verbose,
@@ -424,6 +424,10 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
                retention=retention, discarded_retention=discarded_retention,
                prefetch=prefetch, fairness_every=fairness_every,
                unknown_task_grace=unknown_task_grace, name=name)
+    if os.environ.get("SKIPJACK_WORKER_PROCESS"):
+        from .supervisor import follow_supervisor
+
+        follow_supervisor(w.started)
     if migrate:
         app.migrate()
     if metrics_port is not None:

@@ -3,11 +3,20 @@ command line, restarts one that dies, forwards SIGTERM and SIGINT to all of them
 one metrics endpoint for all of them.
 
 Each worker process is a plain ``skipjack worker`` (the same arguments, without
-``--processes``); they share nothing but the database, as workers on several hosts do. A
-process that dies is started again after 1 s, doubling to 30 s while processes keep dying
-within 10 s of their start. On SIGTERM or SIGINT the supervisor sends SIGTERM to every
-worker (each then stops gracefully: its running jobs get ``--grace``), waits for them, and
-exits 0; a second signal is forwarded too (a worker then exits at once).
+``--processes``; a ``--name`` gets the process's number appended); they share nothing but
+the database, as workers on several hosts do. A process that dies is started again after
+1 s, doubling to 30 s while processes keep dying within 10 s of their start. A process whose
+first start fails before it serves (exit status 1 or more: a module that does not import, a
+setting, a database that cannot be reached) stops the supervisor with that status, as one
+``skipjack worker`` would exit; a later start that fails is retried like any death. On
+SIGTERM or SIGINT the supervisor sends SIGTERM to every worker (each then stops gracefully:
+its running jobs get ``--grace``), waits for them, and exits 0, or 1 when a worker did not
+stop cleanly; a second signal is forwarded too (a worker then exits at once).
+
+Each worker process holds the read end of a pipe whose write end only the supervisor holds:
+when the supervisor ends, however it ends (SIGKILL included), the worker reads the pipe's
+end and stops as on SIGTERM, so no worker outlives its supervisor. A second pipe carries
+one byte the other way when the worker serves (``follow_supervisor``).
 
 With ``--metrics-port``, each worker serves its metrics on a port of its own on 127.0.0.1,
 and the supervisor serves, on the port asked for, all of them merged, each series labelled
@@ -31,6 +40,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +52,12 @@ RESTART_BASE = 1.0  # seconds before a dead worker is started again...
 RESTART_CAP = 30.0  # ...doubling up to this while workers die young
 YOUNG = 10.0  # seconds: a worker that dies sooner than this after its start died young
 STOP_MARGIN = 15.0  # seconds past the workers' grace before the stragglers are SIGKILLed
+# Seconds the merged pages wait for a worker process's answer (asked all at once): within
+# the 1 s a Kubernetes probe waits by default, and Prometheus's 10 s scrape timeout.
+HEALTH_TIMEOUT = 0.8
+METRICS_TIMEOUT = 3.0
+# The worker's ends of its two pipes to the supervisor: "<alive read end>,<ready write end>"
+SUPERVISOR_FDS = "SKIPJACK_SUPERVISOR_FDS"
 
 
 def child_argv(argv: Sequence[str], drop: Sequence[str]) -> list[str]:
@@ -81,6 +97,25 @@ class Child:
     metrics_port: int | None = None
     health_port: int | None = None
     env: dict[str, str] = field(default_factory=dict)
+    starts: int = 0
+    ready: bool = False  # this start has served (its byte came through the ready pipe)
+    alive_w: int | None = None  # the supervisor's end of the pipe the worker watches
+    ready_r: int | None = None  # the supervisor's end of the pipe the worker signals on
+
+    def close_pipes(self) -> None:
+        for fd in (self.alive_w, self.ready_r):
+            if fd is not None:
+                os.close(fd)
+        self.alive_w = self.ready_r = None
+
+    def poll_ready(self) -> bool:
+        """Whether this start has served, reading the ready pipe without waiting."""
+        if not self.ready and self.ready_r is not None:
+            try:
+                self.ready = bool(os.read(self.ready_r, 1))
+            except BlockingIOError:
+                pass
+        return self.ready
 
 
 class Supervisor:
@@ -91,15 +126,18 @@ class Supervisor:
             or ``--metrics-port``.
         count: worker processes, 1..1,024.
         grace: the workers' shutdown grace, in seconds (how long a stop may take).
+        name: the workers' ``--name``, or "" for each its own default; process i is named
+            ``<name>-<i>``.
         metrics: (host, port) of the merged metrics endpoint, or None.
         health: (host, port) of the merged ``/livez`` and ``/readyz``, or None.
     """
 
-    def __init__(self, argv: list[str], count: int, *, grace: float,
+    def __init__(self, argv: list[str], count: int, *, grace: float, name: str = "",
                  metrics: tuple[str, int] | None = None,
                  health: tuple[str, int] | None = None) -> None:
         self.argv = argv
         self.grace = grace
+        self.name = name
         self.children = [Child(i) for i in range(count)]
         self.stopping = threading.Event()
         self._signals = 0
@@ -119,8 +157,20 @@ class Supervisor:
                                   "SKIPJACK_HEALTH_HOST": "127.0.0.1"})
 
     def _start(self, child: Child) -> None:
-        env = {**os.environ, **child.env, "SKIPJACK_WORKER_PROCESS": str(child.index)}
-        child.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL)
+        alive_r, alive_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        os.set_blocking(ready_r, False)
+        env = {**os.environ, **child.env, "SKIPJACK_WORKER_PROCESS": str(child.index),
+               SUPERVISOR_FDS: f"{alive_r},{ready_w}"}
+        argv = [*self.argv, "--name", f"{self.name}-{child.index}"] if self.name else self.argv
+        try:
+            child.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                          pass_fds=(alive_r, ready_w))
+        finally:
+            os.close(alive_r)
+            os.close(ready_w)
+        child.alive_w, child.ready_r, child.ready = alive_w, ready_r, False
+        child.starts += 1
         child.started = time.monotonic()
         log.info("worker process %d started (pid %d)", child.index, child.proc.pid)
 
@@ -148,33 +198,43 @@ class Supervisor:
         while not self.stopping.is_set():
             now = time.monotonic()
             for child in self.children:
+                if child.proc is not None:
+                    child.poll_ready()
                 if child.proc is not None and child.proc.poll() is not None:
                     code = child.proc.returncode
-                    young = now - child.started < YOUNG
-                    if code == 2 and young:  # a usage or settings error: no restart helps
-                        log.error("worker process %d refused to start (status 2); stopping",
-                                  child.index)
+                    served = child.poll_ready()
+                    child.close_pipes()
+                    if code > 0 and child.starts == 1 and not served:
+                        # as one `skipjack worker` would exit: no restart helps
+                        log.error("worker process %d failed to start (status %d); stopping",
+                                  child.index, code)
                         self._signal(signal.SIGTERM, None)
                         self._wait_for_all()
-                        return 2
-                    child.delay = min(RESTART_CAP, child.delay * 2) if young else RESTART_BASE
-                    child.restart_at = now + (child.delay if young else RESTART_BASE)
+                        return code
+                    young = now - child.started < YOUNG
+                    if not young:
+                        child.delay = RESTART_BASE
+                    child.restart_at = now + child.delay
                     log.warning("worker process %d (pid %d) ended with status %s; starting it "
                                 "again in %.0fs", child.index, child.proc.pid, code,
-                                child.restart_at - now)
+                                child.delay)
+                    if young:
+                        child.delay = min(RESTART_CAP, child.delay * 2)
                     child.proc = None
                 if child.proc is None and now >= child.restart_at \
                         and not self.stopping.is_set():
                     self._start(child)
             self.stopping.wait(0.2)
-        self._wait_for_all()
-        return 0
+        return 0 if self._wait_for_all() else 1
 
-    def _wait_for_all(self) -> None:
+    def _wait_for_all(self) -> bool:
+        """Wait for every worker to stop (killing those still running past the grace and
+        STOP_MARGIN); whether each exited with status 0."""
         for server in self._servers:
             server.shutdown()
         self._servers = []
         deadline = time.monotonic() + self.grace + STOP_MARGIN
+        clean = True
         for child in self.children:
             if child.proc is None:
                 continue
@@ -184,7 +244,11 @@ class Supervisor:
                 log.warning("worker process %d did not stop in time: killed", child.index)
                 child.proc.kill()
                 child.proc.wait(30)
+            # -SIGTERM: the stop reached a process still starting, before its handlers
+            clean = clean and child.proc.returncode in (0, -signal.SIGTERM)
+            child.close_pipes()
         log.info("every worker process stopped")
+        return clean
 
     # --- metrics and health ---------------------------------------------------------
 
@@ -227,13 +291,19 @@ class Supervisor:
                 self.metrics_text().encode())
 
     def _health_page(self, path: str) -> tuple[int, str, bytes]:
-        """``path`` (/livez or /readyz) of every worker process: 200 if all answer 200."""
+        """``path`` (/livez or /readyz) of every worker process, asked all at once: 200 if
+        all answer 200 within HEALTH_TIMEOUT. For /livez, a process that does not answer
+        while the supervisor starts it (dead and not yet started again, or started and not
+        yet serving) counts as live."""
         answers: dict[str, Any] = {}
         ok = True
-        for child in self.children:
-            status, body = _get(f"http://127.0.0.1:{child.health_port}{path}")
-            if status == 0 and child.proc is None and path == "/livez":
-                status, body = 200, {"restarting": True}  # the supervisor's own doing
+        replies = _all(self.children, lambda child: _get(
+            f"http://127.0.0.1:{child.health_port}{path}", HEALTH_TIMEOUT))
+        for child, (status, body) in zip(self.children, replies, strict=True):
+            proc = child.proc
+            starting = proc is None or proc.poll() is not None or not child.ready
+            if status == 0 and starting and path == "/livez":
+                status, body = 200, {"starting": True}  # the supervisor's own doing
             answers[str(child.index)] = {"status": status, **body}
             ok = ok and status == 200
         return (200 if ok else 503, "application/json",
@@ -241,30 +311,65 @@ class Supervisor:
 
     def metrics_text(self) -> str:
         """Every worker's metrics, merged, each series labelled ``process``; a worker that
-        does not answer (starting, restarting) is left out of this scrape."""
-        texts = {}
-        for child in self.children:
-            if child.metrics_port is None:
-                continue
+        does not answer within METRICS_TIMEOUT (starting, restarting, stopped) is left out
+        of this scrape. The workers are asked all at once."""
+        def scrape(child: Child) -> str | None:
             try:
                 url = f"http://127.0.0.1:{child.metrics_port}/metrics"
-                with urllib.request.urlopen(url, timeout=5) as response:
-                    texts[child.index] = response.read().decode()
+                with urllib.request.urlopen(url, timeout=METRICS_TIMEOUT) as response:
+                    text: str = response.read().decode()
+                    return text
             except OSError:
-                continue
-        return merge_metrics(texts)
+                return None
+
+        asked = [c for c in self.children if c.metrics_port is not None]
+        return merge_metrics({child.index: text
+                              for child, text in zip(asked, _all(asked, scrape), strict=True)
+                              if text is not None})
 
 
-def _get(url: str) -> tuple[int, dict[str, Any]]:
+def _all(children: Sequence[Child], ask: Callable[[Child], Any]) -> list[Any]:
+    """``ask(child)`` for every child, each in a thread of its own; the answers in order."""
+    if not children:
+        return []
+    with ThreadPoolExecutor(len(children), thread_name_prefix="skipjack-supervisor-ask") as ex:
+        return list(ex.map(ask, children))
+
+
+def _get(url: str, timeout: float) -> tuple[int, dict[str, Any]]:
     """(status, JSON body) of a worker's health page; (0, the reason) when it does not
-    answer within 5 s."""
+    answer within ``timeout`` seconds."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status, _json_object(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, _json_object(exc.read())
     except OSError as exc:
         return 0, {"error": str(exc)}
+
+
+def follow_supervisor(started: threading.Event) -> None:
+    """In a worker process a ``Supervisor`` started (``$SKIPJACK_SUPERVISOR_FDS`` set; else
+    nothing): stop as on SIGTERM once the supervisor has ended, whatever ended it, and tell
+    it when the worker serves (``started`` set). Threads of their own do both."""
+    fds = os.environ.pop(SUPERVISOR_FDS, "")
+    if not fds:
+        return
+    alive, ready = (int(fd) for fd in fds.split(","))
+
+    def watch() -> None:
+        while os.read(alive, 64):  # nothing is ever written: this returns at the end
+            pass
+        log.warning("the supervisor has ended: stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def announce() -> None:
+        started.wait()
+        os.write(ready, b"r")
+        os.close(ready)
+
+    threading.Thread(target=watch, daemon=True, name="skipjack-supervisor-watch").start()
+    threading.Thread(target=announce, daemon=True, name="skipjack-supervisor-ready").start()
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

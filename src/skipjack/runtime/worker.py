@@ -26,6 +26,7 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -227,6 +228,8 @@ class Worker:
         self._first_signal = 0.0
         self._stopping = asyncio.Event()
         self._serving = False  # started and not yet stopping
+        # set once the worker serves (claims), for threads and supervisors that wait for it
+        self.started = threading.Event()
         self._listening = False  # LISTEN connected (else only polling)
         self._leases = Leases()
         self._slots = Slots(self.concurrency, self.prefetch)
@@ -359,6 +362,7 @@ class Worker:
         stopping = asyncio.create_task(self._stopping.wait())
         failure: BaseException | None = None
         self._serving = True
+        self.started.set()
         try:
             done, _ = await asyncio.wait([producer, stopping, *helpers],
                                          return_when=asyncio.FIRST_COMPLETED)
