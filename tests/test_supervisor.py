@@ -172,3 +172,90 @@ def test_a_failed_restart_is_retried_and_no_worker_outlives_its_supervisor(
             supervisor.kill()
             supervisor.wait(30)
         log.close()
+
+
+def test_running_jobs_finish_when_the_supervisor_dies_while_its_workers_drain(
+        app: App, tmp_path: Path) -> None:
+    create_log_tables(app.dsn, app.schema)
+    app.task(name="sleep")(lambda **kw: None)
+    log_path = tmp_path / "supervisor.log"
+    log = open(log_path, "wb")
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "worker",
+         "jobs_app:app", "--processes", "2", "--concurrency", "2", "--grace", "60s",
+         "--heartbeat", "300ms"],
+        cwd=TESTS, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn})
+    try:
+        wait_until(lambda: len(app.workers()) == 2, timeout=60, what="two workers")
+        ids = app.enqueue_many([app.tasks["sleep"].job(seconds=3) for _ in range(4)])
+        wait_until(lambda: states(app.dsn, app.schema).get("running") == 4, timeout=60,
+                   what="four jobs running")
+        pids = [c.pid for c in psutil.Process(supervisor.pid).children()]
+        supervisor.send_signal(signal.SIGTERM)
+        wait_until(lambda: log_path.read_text().count("SIGTERM: stopping") == 2, timeout=60,
+                   what="both workers stopping")
+        # then the supervisor is killed (a process manager's stop timeout): the workers go
+        # on draining, and do not take its end for a second signal
+        supervisor.kill()
+        supervisor.wait(30)
+        wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
+                                   != psutil.STATUS_ZOMBIE for p in pids),
+                   timeout=90, what="the workers stopped")
+        assert states(app.dsn, app.schema) == {"succeeded": len(ids)}
+        text = log_path.read_text()
+        assert "exiting now" not in text, text
+        assert text.count("the supervisor has ended: stopping") == 2, text
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait(30)
+        log.close()
+
+
+def test_a_stop_while_processes_start_reaches_every_one(app: App, tmp_path: Path) -> None:
+    log_path = tmp_path / "supervisor.log"
+    log = open(log_path, "wb")
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "worker",
+         "jobs_app:app", "--processes", "6", "--heartbeat", "300ms"],
+        cwd=TESTS, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn})
+    try:
+        wait_until(lambda: "worker process 0 started" in log_path.read_text(), timeout=60,
+                   what="the first process started")
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(90) == 0, log_path.read_text()
+        text = log_path.read_text()
+        assert "did not stop in time" not in text, text
+        assert app.workers() == []
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait(30)
+        log.close()
+
+
+def test_more_processes_than_the_open_file_limit_allows_are_refused(app: App) -> None:
+    import resource
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "worker",
+         "jobs_app:app", "--processes", "100"],
+        cwd=TESTS, capture_output=True, text=True, timeout=120, preexec_fn=low_limit)
+    assert done.returncode == 2
+    assert "--processes: 100 processes need about 164 open files" in done.stderr
+    assert "ulimit -Hn" in done.stderr and "started" not in done.stderr
+
+
+def test_a_name_too_long_with_the_process_number_is_refused(app: App) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "worker",
+         "jobs_app:app", "--processes", "12", "--name", "w" * 253],
+        cwd=TESTS, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--name" in done.stderr and "256 bytes with the process number appended" \
+        in done.stderr and "at most 255" in done.stderr

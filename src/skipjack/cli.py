@@ -399,7 +399,14 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
         reloading.run(argv, reload_dirs or [os.getcwd()], grace=grace)
         return
     if count > 1 and not os.environ.get("SKIPJACK_WORKER_PROCESS"):
+        from .runtime.worker import NAME_MAX_BYTES
         from .supervisor import Supervisor, child_argv, command_line
+
+        longest = f"{name}-{count - 1}".encode(errors="replace")
+        if name and len(longest) > NAME_MAX_BYTES:
+            raise click.BadParameter(
+                f"{len(longest)} bytes with the process number appended ({name}-{count - 1}"
+                f"), at most {NAME_MAX_BYTES}", param_hint="--name")
 
         argv = child_argv(sys.argv[1:], ["--processes", "--metrics-port", "--metrics-host",
                                          "--health-port", "--health-host", "--name"])
@@ -427,7 +434,7 @@ def worker(ctx: click.Context, app_path: str | None, queues: tuple[str, ...], co
     if os.environ.get("SKIPJACK_WORKER_PROCESS"):
         from .supervisor import follow_supervisor
 
-        follow_supervisor(w.started)
+        follow_supervisor(w.started, w.stop)
     if migrate:
         app.migrate()
     if metrics_port is not None:

@@ -13,10 +13,10 @@ SIGTERM or SIGINT the supervisor sends SIGTERM to every worker (each then stops 
 its running jobs get ``--grace``), waits for them, and exits 0, or 1 when a worker did not
 stop cleanly; a second signal is forwarded too (a worker then exits at once).
 
-Each worker process holds the read end of a pipe whose write end only the supervisor holds:
-when the supervisor ends, however it ends (SIGKILL included), the worker reads the pipe's
-end and stops as on SIGTERM, so no worker outlives its supervisor. A second pipe carries
-one byte the other way when the worker serves (``follow_supervisor``).
+Each worker process holds one end of a socket pair whose other end only the supervisor
+holds: when the supervisor ends, however it ends (SIGKILL included), the worker reads the
+end of the stream and stops gracefully, so no worker outlives its supervisor; the worker
+sends one byte the other way once it serves (``follow_supervisor``).
 
 With ``--metrics-port``, each worker serves its metrics on a port of its own on 127.0.0.1,
 and the supervisor serves, on the port asked for, all of them merged, each series labelled
@@ -28,11 +28,13 @@ again after it died counts as live (the supervisor is restarting it) but not rea
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -56,8 +58,13 @@ STOP_MARGIN = 15.0  # seconds past the workers' grace before the stragglers are 
 # the 1 s a Kubernetes probe waits by default, and Prometheus's 10 s scrape timeout.
 HEALTH_TIMEOUT = 0.8
 METRICS_TIMEOUT = 3.0
-# The worker's ends of its two pipes to the supervisor: "<alive read end>,<ready write end>"
-SUPERVISOR_FDS = "SKIPJACK_SUPERVISOR_FDS"
+# Seconds a process may take to start serving and still count as live (/livez)
+START_GRACE = 60.0
+# The worker's end of its socket pair with the supervisor (a file descriptor number)
+SUPERVISOR_FD = "SKIPJACK_SUPERVISOR_FD"
+# Open files the supervisor needs besides one per worker process (its servers, pipes of a
+# process being started, the interpreter's own)
+OWN_FILES = 64
 
 
 def child_argv(argv: Sequence[str], drop: Sequence[str]) -> list[str]:
@@ -98,21 +105,19 @@ class Child:
     health_port: int | None = None
     env: dict[str, str] = field(default_factory=dict)
     starts: int = 0
-    ready: bool = False  # this start has served (its byte came through the ready pipe)
-    alive_w: int | None = None  # the supervisor's end of the pipe the worker watches
-    ready_r: int | None = None  # the supervisor's end of the pipe the worker signals on
+    ready: bool = False  # this start has served (its byte came through the link)
+    link: socket.socket | None = None  # the supervisor's end of the socket pair
 
-    def close_pipes(self) -> None:
-        for fd in (self.alive_w, self.ready_r):
-            if fd is not None:
-                os.close(fd)
-        self.alive_w = self.ready_r = None
+    def close_link(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
     def poll_ready(self) -> bool:
-        """Whether this start has served, reading the ready pipe without waiting."""
-        if not self.ready and self.ready_r is not None:
+        """Whether this start has served, reading the link without waiting."""
+        if not self.ready and self.link is not None:
             try:
-                self.ready = bool(os.read(self.ready_r, 1))
+                self.ready = bool(self.link.recv(1))
             except BlockingIOError:
                 pass
         return self.ready
@@ -144,35 +149,46 @@ class Supervisor:
         self._metrics = metrics
         self._health = health
         self._servers: list[http.server.ThreadingHTTPServer] = []
-        for child in self.children:
-            if metrics is not None:
-                child.metrics_port = _free_port()
-                child.env.update({"SKIPJACK_WORKER_METRICS_PORT": str(child.metrics_port),
-                                  "SKIPJACK_METRICS_PORT": str(child.metrics_port),
-                                  "SKIPJACK_WORKER_METRICS_HOST": "127.0.0.1",
-                                  "SKIPJACK_METRICS_HOST": "127.0.0.1"})
-            if health is not None:
-                child.health_port = _free_port()
-                child.env.update({"SKIPJACK_HEALTH_PORT": str(child.health_port),
-                                  "SKIPJACK_HEALTH_HOST": "127.0.0.1"})
+        _allow_open_files(count + OWN_FILES)
+
+    def _pick_ports(self, child: Child) -> None:
+        """Free ports on 127.0.0.1 for ``child``'s endpoints, none another process has (a
+        port freed since its last start may have been taken)."""
+        taken = {p for c in self.children if c is not child
+                 for p in (c.metrics_port, c.health_port) if p is not None}
+        if self._metrics is not None:
+            child.metrics_port = _free_port(taken)
+            taken.add(child.metrics_port)
+            child.env.update({"SKIPJACK_WORKER_METRICS_PORT": str(child.metrics_port),
+                              "SKIPJACK_METRICS_PORT": str(child.metrics_port),
+                              "SKIPJACK_WORKER_METRICS_HOST": "127.0.0.1",
+                              "SKIPJACK_METRICS_HOST": "127.0.0.1"})
+        if self._health is not None:
+            child.health_port = _free_port(taken)
+            child.env.update({"SKIPJACK_HEALTH_PORT": str(child.health_port),
+                              "SKIPJACK_HEALTH_HOST": "127.0.0.1"})
 
     def _start(self, child: Child) -> None:
-        alive_r, alive_w = os.pipe()
-        ready_r, ready_w = os.pipe()
-        os.set_blocking(ready_r, False)
+        self._pick_ports(child)
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
         env = {**os.environ, **child.env, "SKIPJACK_WORKER_PROCESS": str(child.index),
-               SUPERVISOR_FDS: f"{alive_r},{ready_w}"}
+               SUPERVISOR_FD: str(theirs.fileno())}
         argv = [*self.argv, "--name", f"{self.name}-{child.index}"] if self.name else self.argv
         try:
             child.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                                          pass_fds=(alive_r, ready_w))
+                                          pass_fds=(theirs.fileno(),))
+        except BaseException:
+            ours.close()
+            raise
         finally:
-            os.close(alive_r)
-            os.close(ready_w)
-        child.alive_w, child.ready_r, child.ready = alive_w, ready_r, False
+            theirs.close()
+        child.link, child.ready = ours, False
         child.starts += 1
         child.started = time.monotonic()
         log.info("worker process %d started (pid %d)", child.index, child.proc.pid)
+        if self.stopping.is_set():  # a stop signal came while it was being started
+            child.proc.send_signal(signal.SIGTERM)
 
     def _signal(self, sig: int, _frame: object) -> None:
         self._signals += 1
@@ -182,9 +198,10 @@ class Supervisor:
                 child.proc.send_signal(signal.SIGTERM)
 
     def run(self) -> int:
-        """Run until stopped by SIGTERM or SIGINT; returns the exit status: 0, or 2 when a
-        worker process refused to start (a usage or settings error, as ``skipjack worker``
-        itself exits with)."""
+        """Run until stopped by SIGTERM or SIGINT; returns the exit status: 0; 1 when a
+        worker process did not stop cleanly; or the status of a worker process whose first
+        start failed (2: a usage or settings error, as ``skipjack worker`` itself exits
+        with)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._signal)
         if self._metrics is not None:
@@ -194,6 +211,8 @@ class Supervisor:
                                         "/readyz": lambda: self._health_page("/readyz")},
                         "health")
         for child in self.children:
+            if self.stopping.is_set():
+                break
             self._start(child)
         while not self.stopping.is_set():
             now = time.monotonic()
@@ -203,7 +222,7 @@ class Supervisor:
                 if child.proc is not None and child.proc.poll() is not None:
                     code = child.proc.returncode
                     served = child.poll_ready()
-                    child.close_pipes()
+                    child.close_link()
                     if code > 0 and child.starts == 1 and not served:
                         # as one `skipjack worker` would exit: no restart helps
                         log.error("worker process %d failed to start (status %d); stopping",
@@ -246,7 +265,7 @@ class Supervisor:
                 child.proc.wait(30)
             # -SIGTERM: the stop reached a process still starting, before its handlers
             clean = clean and child.proc.returncode in (0, -signal.SIGTERM)
-            child.close_pipes()
+            child.close_link()
         log.info("every worker process stopped")
         return clean
 
@@ -293,15 +312,17 @@ class Supervisor:
     def _health_page(self, path: str) -> tuple[int, str, bytes]:
         """``path`` (/livez or /readyz) of every worker process, asked all at once: 200 if
         all answer 200 within HEALTH_TIMEOUT. For /livez, a process that does not answer
-        while the supervisor starts it (dead and not yet started again, or started and not
-        yet serving) counts as live."""
+        while the supervisor starts it (dead and not yet started again, or started less than
+        START_GRACE seconds ago and not yet serving) counts as live."""
         answers: dict[str, Any] = {}
         ok = True
         replies = _all(self.children, lambda child: _get(
             f"http://127.0.0.1:{child.health_port}{path}", HEALTH_TIMEOUT))
+        now = time.monotonic()
         for child, (status, body) in zip(self.children, replies, strict=True):
             proc = child.proc
-            starting = proc is None or proc.poll() is not None or not child.ready
+            starting = proc is None or proc.poll() is not None or (
+                not child.ready and now - child.started < START_GRACE)
             if status == 0 and starting and path == "/livez":
                 status, body = 200, {"starting": True}  # the supervisor's own doing
             answers[str(child.index)] = {"status": status, **body}
@@ -348,25 +369,29 @@ def _get(url: str, timeout: float) -> tuple[int, dict[str, Any]]:
         return 0, {"error": str(exc)}
 
 
-def follow_supervisor(started: threading.Event) -> None:
-    """In a worker process a ``Supervisor`` started (``$SKIPJACK_SUPERVISOR_FDS`` set; else
-    nothing): stop as on SIGTERM once the supervisor has ended, whatever ended it, and tell
-    it when the worker serves (``started`` set). Threads of their own do both."""
-    fds = os.environ.pop(SUPERVISOR_FDS, "")
-    if not fds:
+def follow_supervisor(started: threading.Event, stop: Callable[[], None]) -> None:
+    """In a worker process a ``Supervisor`` started (``$SKIPJACK_SUPERVISOR_FD`` set; else
+    nothing): call ``stop`` (a graceful stop, thread-safe) once the supervisor has ended,
+    whatever ended it, and tell it when the worker serves (``started`` set). Threads of
+    their own do both."""
+    fd = os.environ.pop(SUPERVISOR_FD, "")
+    if not fd:
         return
-    alive, ready = (int(fd) for fd in fds.split(","))
+    link = socket.socket(fileno=int(fd))
 
     def watch() -> None:
-        while os.read(alive, 64):  # nothing is ever written: this returns at the end
+        try:
+            while link.recv(64):  # the supervisor sends nothing: this returns at the end
+                pass
+        except OSError:  # ECONNRESET: it ended before reading what this process sent
             pass
         log.warning("the supervisor has ended: stopping")
-        os.kill(os.getpid(), signal.SIGTERM)
+        stop()
 
     def announce() -> None:
         started.wait()
-        os.write(ready, b"r")
-        os.close(ready)
+        with contextlib.suppress(OSError):  # the supervisor has ended: watch() stops
+            link.send(b"r")
 
     threading.Thread(target=watch, daemon=True, name="skipjack-supervisor-watch").start()
     threading.Thread(target=announce, daemon=True, name="skipjack-supervisor-ready").start()
@@ -413,10 +438,28 @@ def merge_metrics(texts: dict[int, str]) -> str:
     return generate_latest(registry).decode()
 
 
-def _free_port() -> int:
-    import socket
+def _free_port(taken: set[int]) -> int:
+    """A port on 127.0.0.1 free now and not in ``taken``."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in taken:
+            return port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+
+def _allow_open_files(needed: int) -> None:
+    """Raise this process's soft limit of open files to ``needed`` (up to its hard limit).
+
+    Raises:
+        ConfigError: the hard limit is lower (``ulimit -n``).
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise ConfigError(f"--processes: {needed - OWN_FILES} processes need about {needed} "
+                          f"open files in the supervisor; its limit is {hard} (ulimit -Hn)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
