@@ -8,9 +8,11 @@ are tested. Set SKIPJACK_TEST_SERVERS=embedded (or =local) to run against one on
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -29,6 +31,28 @@ def _local_available() -> bool:
         return True
     except psycopg.Error:
         return False
+
+
+# A test's server, as its id names it: "test_x[embedded]", "test_y[local-rescued]".
+SERVER_IN_ID = re.compile(r"[\[-](embedded|local)[\]-]")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (``-n 2``, as scripts/test.sh runs), give each server one process.
+
+    Tests of a server restart it, change its settings or fill its notification queue, so two
+    tests of one server never run at once; the two servers' tests run side by side, and the
+    tests of neither go wherever a process is free.
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneProcessPerServer(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            found = SERVER_IN_ID.search(nodeid)
+            return found.group(1) if found else nodeid
+
+    return OneProcessPerServer(config, log)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

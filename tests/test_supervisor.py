@@ -18,7 +18,7 @@ import pytest
 from skipjack import App
 from skipjack.supervisor import child_argv
 
-from support import TESTS, create_log_tables, free_port, http_get, states, wait_until
+from support import TESTS, create_log_tables, free_port, http_get, query, states, wait_until
 
 pytest.importorskip("prometheus_client")
 
@@ -189,8 +189,10 @@ def test_running_jobs_finish_when_the_supervisor_dies_while_its_workers_drain(
     try:
         wait_until(lambda: len(app.workers()) == 2, timeout=60, what="two workers")
         ids = app.enqueue_many([app.tasks["sleep"].job(seconds=3) for _ in range(4)])
-        wait_until(lambda: states(app.dsn, app.schema).get("running") == 4, timeout=60,
-                   what="four jobs running")
+        # started, not only claimed: a claimed job not yet started is released by a stop
+        wait_until(lambda: query(app.dsn, "SELECT count(*) FROM {schema}.exec_log WHERE "
+                                 "event = 'start'", schema=app.schema) == [(4,)], timeout=60,
+                   what="four jobs started")
         pids = [c.pid for c in psutil.Process(supervisor.pid).children()]
         supervisor.send_signal(signal.SIGTERM)
         wait_until(lambda: log_path.read_text().count("SIGTERM: stopping") == 2, timeout=60,
