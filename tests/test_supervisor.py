@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,36 @@ from support import TESTS, create_log_tables, free_port, http_get, query, states
 pytest.importorskip("prometheus_client")
 
 
+def worker_command(app: App, *args: str) -> list[str]:
+    """``skipjack worker`` on ``app``'s database and schema, with ``args`` after it."""
+    return [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema,
+            "worker", *args]
+
+
+@contextmanager
+def supervisor_running(app: App, log_path: Path, *args: str,
+                       env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """``skipjack worker args`` started from tests/ (a supervisor, given ``--processes``), its
+    output written to ``log_path``; killed at the end if it still runs."""
+    with open(log_path, "wb") as log:
+        supervisor = subprocess.Popen(
+            worker_command(app, *args), cwd=TESTS, stdout=log, stderr=subprocess.STDOUT,
+            env=env or {**os.environ, "SKIPJACK_SCHEMA": app.schema,
+                        "SKIPJACK_DATABASE_URL": app.dsn})
+        try:
+            yield supervisor
+        finally:
+            if supervisor.poll() is None:
+                supervisor.kill()
+                supervisor.wait(30)
+
+
+def live_children(supervisor: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """The supervisor's worker processes that are running (not zombies)."""
+    return [c for c in psutil.Process(supervisor.pid).children()
+            if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_child_argv_drops_the_supervisor_s_options() -> None:
     assert child_argv(["worker", "a:b", "--processes", "4", "--metrics-port=9", "-c", "2"],
                       ["--processes", "--metrics-port"]) == ["worker", "a:b", "-c", "2"]
@@ -33,22 +65,13 @@ def test_processes_run_restart_share_one_metrics_endpoint_and_stop(app: App,
     create_log_tables(app.dsn, app.schema)
     app.task(name="sleep")(lambda **kw: None)
     port, health = free_port(), free_port()
-    log = open(tmp_path / "supervisor.log", "wb")
-    supervisor = subprocess.Popen(
-        [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "worker",
-         "jobs_app:app", "--processes", "2", "--metrics-port", str(port), "--metrics-host",
-         "127.0.0.1", "--health-port", str(health), "--health-host", "127.0.0.1",
-         "--lease", "2s", "--heartbeat", "300ms", "--poll-interval", "500ms"],
-        cwd=TESTS, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "SKIPJACK_SCHEMA": app.schema,
-             "SKIPJACK_DATABASE_URL": app.dsn})
-    try:
-        def children() -> list[psutil.Process]:
-            return [c for c in psutil.Process(supervisor.pid).children()
-                    if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-
-        wait_until(lambda: len(children()) == 2 and len(app.workers()) == 2, timeout=60,
-                   what="two worker processes registered")
+    with supervisor_running(
+            app, tmp_path / "supervisor.log", "jobs_app:app", "--processes", "2",
+            "--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--health-port",
+            str(health), "--health-host", "127.0.0.1", "--lease", "2s", "--heartbeat", "300ms",
+            "--poll-interval", "500ms") as supervisor:
+        wait_until(lambda: len(live_children(supervisor)) == 2 and len(app.workers()) == 2,
+                   timeout=60, what="two worker processes registered")
         # one health endpoint for both: ready once each process is
         def ready() -> dict[str, Any]:
             status, body = http_get(f"http://127.0.0.1:{health}/readyz")
@@ -72,15 +95,15 @@ def test_processes_run_restart_share_one_metrics_endpoint_and_stop(app: App,
             == len({line.split()[2] for line in body.splitlines()
                     if line.startswith("# TYPE skipjack_jobs_")})  # one family per name
 
-        victim = children()[0]
+        victim = live_children(supervisor)[0]
         victim.kill()
-        wait_until(lambda: len(children()) == 2 and victim.pid not in
-                   {c.pid for c in children()}, timeout=60, what="the dead one restarted")
+        wait_until(lambda: len(pids := {c.pid for c in live_children(supervisor)}) == 2
+                   and victim.pid not in pids, timeout=60, what="the dead one restarted")
         more = app.enqueue_many([app.tasks["sleep"].job() for _ in range(10)])
         wait_until(lambda: states(app.dsn, app.schema).get("succeeded") == len(ids) + len(more),
                    timeout=60)
 
-        pids = [c.pid for c in children()]
+        pids = [c.pid for c in live_children(supervisor)]
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(60) == 0
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status()
@@ -91,18 +114,12 @@ def test_processes_run_restart_share_one_metrics_endpoint_and_stop(app: App,
         assert f"at http://127.0.0.1:{health}/livez and /readyz" in text
         assert "metrics at http" not in text, text
         assert "stopped: claimed" in text
-    finally:
-        if supervisor.poll() is None:
-            supervisor.kill()
-            supervisor.wait(30)
-        log.close()
 
 
 def test_a_worker_that_cannot_start_stops_the_supervisor(app: App) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "worker",
-         "jobs_app:app", "--processes", "2", "--lease", "1s"],  # too short for the heartbeat
-        cwd=TESTS, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(  # a lease too short for the heartbeat
+        worker_command(app, "jobs_app:app", "--processes", "2", "--lease", "1s"), cwd=TESTS,
+        capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "failed to start (status 2)" in done.stderr
 
@@ -112,26 +129,18 @@ def test_a_failed_restart_is_retried_and_no_worker_outlives_its_supervisor(
     marker = tmp_path / "fail-imports"
     env = {**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn,
            "FLAKY_APP_MARKER": str(marker)}
-    command = [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema,
-               "worker", "flaky_app:app", "--processes", "2", "--name", "box",
-               "--health-port", str(health := free_port()), "--health-host", "127.0.0.1"]
+    args = ["flaky_app:app", "--processes", "2", "--name", "box",
+            "--health-port", str(health := free_port()), "--health-host", "127.0.0.1"]
     # a first start that fails stops the supervisor with the worker's status, as one
     # `skipjack worker` would exit
     marker.touch()
-    done = subprocess.run(command, cwd=TESTS, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(worker_command(app, *args), cwd=TESTS, env=env, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert "failed to start (status 1)" in done.stderr
     marker.unlink()
 
-    log = open(tmp_path / "supervisor.log", "wb")
-    supervisor = subprocess.Popen(command, cwd=TESTS, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
-    try:
-        def children() -> list[psutil.Process]:
-            return [c for c in psutil.Process(supervisor.pid).children()
-                    if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-
+    with supervisor_running(app, tmp_path / "supervisor.log", *args, env=env) as supervisor:
         def names() -> set[str]:
             return {w["name"] for w in app.workers()}
 
@@ -140,7 +149,7 @@ def test_a_failed_restart_is_retried_and_no_worker_outlives_its_supervisor(
         # a later start that fails (here: the import; as well a database that cannot be
         # reached) is retried, and the other process serves on
         marker.touch()
-        victim, other = children()
+        victim, other = live_children(supervisor)
         victim.kill()
         wait_until(lambda: "ended with status 1; starting it again" in
                    (tmp_path / "supervisor.log").read_text(), timeout=60,
@@ -151,13 +160,13 @@ def test_a_failed_restart_is_retried_and_no_worker_outlives_its_supervisor(
         assert status == 200, body
         assert http_get(f"http://127.0.0.1:{health}/readyz")[0] == 503
         marker.unlink()
-        wait_until(lambda: len(children()) == 2 and {c.pid for c in children()}
-                   <= {w["pid"] for w in app.workers()}, timeout=90,
+        wait_until(lambda: len(pids := {c.pid for c in live_children(supervisor)}) == 2
+                   and pids <= {w["pid"] for w in app.workers()}, timeout=90,
                    what="the process started again once it can import, and serving")
         assert http_get(f"http://127.0.0.1:{health}/readyz")[0] == 200
 
         # the supervisor killed outright: its workers notice and stop, gracefully
-        pids = [c.pid for c in children()]
+        pids = [c.pid for c in live_children(supervisor)]
         supervisor.kill()
         supervisor.wait(30)
         wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
@@ -167,11 +176,6 @@ def test_a_failed_restart_is_retried_and_no_worker_outlives_its_supervisor(
         assert text.count("the supervisor has ended: stopping") == 2, text
         assert text.count("stopped: claimed") == 2, text
         assert app.workers() == []  # each removed its registry row as it stopped
-    finally:
-        if supervisor.poll() is None:
-            supervisor.kill()
-            supervisor.wait(30)
-        log.close()
 
 
 def test_running_jobs_finish_when_the_supervisor_dies_while_its_workers_drain(
@@ -179,21 +183,15 @@ def test_running_jobs_finish_when_the_supervisor_dies_while_its_workers_drain(
     create_log_tables(app.dsn, app.schema)
     app.task(name="sleep")(lambda **kw: None)
     log_path = tmp_path / "supervisor.log"
-    log = open(log_path, "wb")
-    supervisor = subprocess.Popen(
-        [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "worker",
-         "jobs_app:app", "--processes", "2", "--concurrency", "2", "--grace", "60s",
-         "--heartbeat", "300ms"],
-        cwd=TESTS, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn})
-    try:
+    with supervisor_running(app, log_path, "jobs_app:app", "--processes", "2", "--concurrency",
+                            "2", "--grace", "60s", "--heartbeat", "300ms") as supervisor:
         wait_until(lambda: len(app.workers()) == 2, timeout=60, what="two workers")
         ids = app.enqueue_many([app.tasks["sleep"].job(seconds=3) for _ in range(4)])
         # started, not only claimed: a claimed job not yet started is released by a stop
         wait_until(lambda: query(app.dsn, "SELECT count(*) FROM {schema}.exec_log WHERE "
                                  "event = 'start'", schema=app.schema) == [(4,)], timeout=60,
                    what="four jobs started")
-        pids = [c.pid for c in psutil.Process(supervisor.pid).children()]
+        pids = [c.pid for c in live_children(supervisor)]
         supervisor.send_signal(signal.SIGTERM)
         wait_until(lambda: log_path.read_text().count("SIGTERM: stopping") == 2, timeout=60,
                    what="both workers stopping")
@@ -208,22 +206,12 @@ def test_running_jobs_finish_when_the_supervisor_dies_while_its_workers_drain(
         text = log_path.read_text()
         assert "exiting now" not in text, text
         assert text.count("the supervisor has ended: stopping") == 2, text
-    finally:
-        if supervisor.poll() is None:
-            supervisor.kill()
-            supervisor.wait(30)
-        log.close()
 
 
 def test_a_stop_while_processes_start_reaches_every_one(app: App, tmp_path: Path) -> None:
     log_path = tmp_path / "supervisor.log"
-    log = open(log_path, "wb")
-    supervisor = subprocess.Popen(
-        [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "worker",
-         "jobs_app:app", "--processes", "6", "--heartbeat", "300ms"],
-        cwd=TESTS, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn})
-    try:
+    with supervisor_running(app, log_path, "jobs_app:app", "--processes", "6", "--heartbeat",
+                            "300ms") as supervisor:
         wait_until(lambda: "worker process 0 started" in log_path.read_text(), timeout=60,
                    what="the first process started")
         supervisor.send_signal(signal.SIGTERM)
@@ -231,11 +219,6 @@ def test_a_stop_while_processes_start_reaches_every_one(app: App, tmp_path: Path
         text = log_path.read_text()
         assert "did not stop in time" not in text, text
         assert app.workers() == []
-    finally:
-        if supervisor.poll() is None:
-            supervisor.kill()
-            supervisor.wait(30)
-        log.close()
 
 
 def test_more_processes_than_the_open_file_limit_allows_are_refused(app: App) -> None:
@@ -245,8 +228,7 @@ def test_more_processes_than_the_open_file_limit_allows_are_refused(app: App) ->
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 
     done = subprocess.run(
-        [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "worker",
-         "jobs_app:app", "--processes", "100"],
+        worker_command(app, "jobs_app:app", "--processes", "100"),
         cwd=TESTS, capture_output=True, text=True, timeout=120, preexec_fn=low_limit)
     assert done.returncode == 2
     assert "--processes: 100 processes need about 164 open files" in done.stderr
@@ -255,8 +237,7 @@ def test_more_processes_than_the_open_file_limit_allows_are_refused(app: App) ->
 
 def test_a_name_too_long_with_the_process_number_is_refused(app: App) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "skipjack", "--dsn", app.dsn, "--schema", app.schema, "worker",
-         "jobs_app:app", "--processes", "12", "--name", "w" * 253],
+        worker_command(app, "jobs_app:app", "--processes", "12", "--name", "w" * 253),
         cwd=TESTS, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--name" in done.stderr and "256 bytes with the process number appended" \
