@@ -9,8 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,16 @@ import pytest
 from skipjack import App
 from skipjack.supervisor import child_argv
 
-from support import TESTS, create_log_tables, free_port, http_get, query, states, wait_until
+from support import (
+    TESTS,
+    WorkerProcess,
+    create_log_tables,
+    free_port,
+    http_get,
+    query,
+    states,
+    wait_until,
+)
 
 pytest.importorskip("prometheus_client")
 
@@ -31,25 +38,7 @@ def worker_command(app: App, *args: str) -> list[str]:
             "worker", *args]
 
 
-@contextmanager
-def supervisor_running(app: App, log_path: Path, *args: str,
-                       env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """``skipjack worker args`` started from tests/ (a supervisor, given ``--processes``), its
-    output written to ``log_path``; killed at the end if it still runs."""
-    with open(log_path, "wb") as log:
-        supervisor = subprocess.Popen(
-            worker_command(app, *args), cwd=TESTS, stdout=log, stderr=subprocess.STDOUT,
-            env=env or {**os.environ, "SKIPJACK_SCHEMA": app.schema,
-                        "SKIPJACK_DATABASE_URL": app.dsn})
-        try:
-            yield supervisor
-        finally:
-            if supervisor.poll() is None:
-                supervisor.kill()
-                supervisor.wait(30)
-
-
-def live_children(supervisor: subprocess.Popen[bytes]) -> list[psutil.Process]:
+def live_children(supervisor: WorkerProcess) -> list[psutil.Process]:
     """The supervisor's worker processes that are running (not zombies)."""
     return [c for c in psutil.Process(supervisor.pid).children()
             if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
@@ -65,11 +54,11 @@ def test_processes_run_restart_share_one_metrics_endpoint_and_stop(app: App,
     create_log_tables(app.dsn, app.schema)
     app.task(name="sleep")(lambda **kw: None)
     port, health = free_port(), free_port()
-    with supervisor_running(
-            app, tmp_path / "supervisor.log", "jobs_app:app", "--processes", "2",
+    with WorkerProcess(
+            app.dsn, app.schema, None, "--processes", "2",
             "--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--health-port",
             str(health), "--health-host", "127.0.0.1", "--lease", "2s", "--heartbeat", "300ms",
-            "--poll-interval", "500ms") as supervisor:
+            "--poll-interval", "500ms", log=tmp_path / "supervisor.log") as supervisor:
         wait_until(lambda: len(live_children(supervisor)) == 2 and len(app.workers()) == 2,
                    timeout=60, what="two worker processes registered")
         # one health endpoint for both: ready once each process is
@@ -104,7 +93,7 @@ def test_processes_run_restart_share_one_metrics_endpoint_and_stop(app: App,
                    timeout=60)
 
         pids = [c.pid for c in live_children(supervisor)]
-        supervisor.send_signal(signal.SIGTERM)
+        supervisor.signal(signal.SIGTERM)
         assert supervisor.wait(60) == 0
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status()
                        != psutil.STATUS_ZOMBIE for p in pids)
@@ -129,18 +118,19 @@ def test_a_failed_restart_is_retried_and_no_worker_outlives_its_supervisor(
     marker = tmp_path / "fail-imports"
     env = {**os.environ, "SKIPJACK_SCHEMA": app.schema, "SKIPJACK_DATABASE_URL": app.dsn,
            "FLAKY_APP_MARKER": str(marker)}
-    args = ["flaky_app:app", "--processes", "2", "--name", "box",
+    args = ["--processes", "2", "--name", "box",
             "--health-port", str(health := free_port()), "--health-host", "127.0.0.1"]
     # a first start that fails stops the supervisor with the worker's status, as one
     # `skipjack worker` would exit
     marker.touch()
-    done = subprocess.run(worker_command(app, *args), cwd=TESTS, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(worker_command(app, "flaky_app:app", *args), cwd=TESTS, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert "failed to start (status 1)" in done.stderr
     marker.unlink()
 
-    with supervisor_running(app, tmp_path / "supervisor.log", *args, env=env) as supervisor:
+    with WorkerProcess(app.dsn, app.schema, None, *args, app="flaky_app:app",
+                       log=tmp_path / "supervisor.log", env=env) as supervisor:
         def names() -> set[str]:
             return {w["name"] for w in app.workers()}
 
@@ -154,7 +144,7 @@ def test_a_failed_restart_is_retried_and_no_worker_outlives_its_supervisor(
         wait_until(lambda: "ended with status 1; starting it again" in
                    (tmp_path / "supervisor.log").read_text(), timeout=60,
                    what="the restart failed and is retried")
-        assert supervisor.poll() is None and other.is_running()
+        assert supervisor.proc.poll() is None and other.is_running()
         # while the supervisor starts it again, the process counts as live, not ready
         status, body = http_get(f"http://127.0.0.1:{health}/livez")
         assert status == 200, body
@@ -168,7 +158,6 @@ def test_a_failed_restart_is_retried_and_no_worker_outlives_its_supervisor(
         # the supervisor killed outright: its workers notice and stop, gracefully
         pids = [c.pid for c in live_children(supervisor)]
         supervisor.kill()
-        supervisor.wait(30)
         wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
                                    != psutil.STATUS_ZOMBIE for p in pids),
                    timeout=60, what="no worker outlives its supervisor")
@@ -183,8 +172,8 @@ def test_running_jobs_finish_when_the_supervisor_dies_while_its_workers_drain(
     create_log_tables(app.dsn, app.schema)
     app.task(name="sleep")(lambda **kw: None)
     log_path = tmp_path / "supervisor.log"
-    with supervisor_running(app, log_path, "jobs_app:app", "--processes", "2", "--concurrency",
-                            "2", "--grace", "60s", "--heartbeat", "300ms") as supervisor:
+    with WorkerProcess(app.dsn, app.schema, None, "--processes", "2", "--concurrency", "2",
+                       "--grace", "60s", "--heartbeat", "300ms", log=log_path) as supervisor:
         wait_until(lambda: len(app.workers()) == 2, timeout=60, what="two workers")
         ids = app.enqueue_many([app.tasks["sleep"].job(seconds=3) for _ in range(4)])
         # started, not only claimed: a claimed job not yet started is released by a stop
@@ -192,13 +181,12 @@ def test_running_jobs_finish_when_the_supervisor_dies_while_its_workers_drain(
                                  "event = 'start'", schema=app.schema) == [(4,)], timeout=60,
                    what="four jobs started")
         pids = [c.pid for c in live_children(supervisor)]
-        supervisor.send_signal(signal.SIGTERM)
+        supervisor.signal(signal.SIGTERM)
         wait_until(lambda: log_path.read_text().count("SIGTERM: stopping") == 2, timeout=60,
                    what="both workers stopping")
         # then the supervisor is killed (a process manager's stop timeout): the workers go
         # on draining, and do not take its end for a second signal
         supervisor.kill()
-        supervisor.wait(30)
         wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
                                    != psutil.STATUS_ZOMBIE for p in pids),
                    timeout=90, what="the workers stopped")
@@ -210,11 +198,11 @@ def test_running_jobs_finish_when_the_supervisor_dies_while_its_workers_drain(
 
 def test_a_stop_while_processes_start_reaches_every_one(app: App, tmp_path: Path) -> None:
     log_path = tmp_path / "supervisor.log"
-    with supervisor_running(app, log_path, "jobs_app:app", "--processes", "6", "--heartbeat",
-                            "300ms") as supervisor:
+    with WorkerProcess(app.dsn, app.schema, None, "--processes", "6", "--heartbeat", "300ms",
+                       log=log_path) as supervisor:
         wait_until(lambda: "worker process 0 started" in log_path.read_text(), timeout=60,
                    what="the first process started")
-        supervisor.send_signal(signal.SIGTERM)
+        supervisor.signal(signal.SIGTERM)
         assert supervisor.wait(90) == 0, log_path.read_text()
         text = log_path.read_text()
         assert "did not stop in time" not in text, text
