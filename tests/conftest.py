@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return found.group(1) if found else nodeid
 
     return OneProcessPerServer(config, log)
+
+
+# The most of each log file a failed test's report shows (its last lines).
+LOG_TAIL = 200
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report ends with the logs in its ``tmp_path`` (the ``*.log`` files its
+    worker processes wrote), so that a failure seen only in CI can still be read."""
+    report: pytest.TestReport = yield
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and isinstance(tmp, Path) and tmp.is_dir():
+        for path in sorted(tmp.rglob("*.log")):
+            lines = path.read_text(errors="replace").splitlines()
+            report.sections.append((f"{path.relative_to(tmp)} (last {LOG_TAIL} lines)",
+                                    "\n".join(lines[-LOG_TAIL:])))
+    return report
 
 
 def pytest_report_header(config: pytest.Config) -> str:

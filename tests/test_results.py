@@ -159,7 +159,9 @@ def test_a_wait_begun_right_after_the_enqueue_never_hides_the_job_from_claims(
 def test_progress_the_database_cannot_store_is_dropped_and_leases_are_renewed(
         server: Server, tmp_path: Path) -> None:
     # a LATIN1 database has no check mark: that report cannot be written, and must neither
-    # stop the renewals (the job would lose its 2 s lease) nor hold back other reports
+    # stop the renewals nor hold back other reports. The lease is 10 s, renewed every 0.3 s:
+    # with a 2 s lease the job once ran twice in a loaded run of the whole suite (two test
+    # processes on two cores), where a stall of 2 s lets a lease expire.
     name = "latin1_" + secrets.token_hex(4)
     with server.connect() as conn:
         conn.autocommit = True
@@ -178,7 +180,8 @@ def test_progress_the_database_cannot_store_is_dropped_and_leases_are_renewed(
         good = task.enqueue(mark=False, gate="g")
         # a character LATIN1 has goes there and back
         echoed = app.task(name="echo")(lambda **kw: None).enqueue(value="caf\u00e9")
-        with WorkerProcess(dsn, "skipjack", ["default"], *FAST, app="results_app:app",
+        with WorkerProcess(dsn, "skipjack", ["default"], "--lease", "10", "--heartbeat", "0.3",
+                           "--poll-interval", "0.5", app="results_app:app",
                            log=tmp_path / "worker.log") as w:
             wait_until(lambda: good.progress() == "step 1", what="the other job's report")
             wait_until(lambda: f"progress of job {bad} could not be written" in w.log(),
