@@ -8,8 +8,9 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import psycopg
@@ -103,20 +104,28 @@ def _exit_before_start(_sig: int, _frame: object) -> None:
 
 
 def load_app(path: str, dsn: str | None, schema: str | None) -> App:
-    """Import ``module:attribute`` (an ``App``) from the current directory or sys.path."""
+    """Import ``module:attribute`` (an ``App``) from the current directory or sys.path.
+
+    Raises:
+        click.BadParameter: ``path`` is not MODULE:APP, the module is not found, or its
+            attribute is not an App.
+        click.exceptions.Exit: (status 2) importing the module raised; the module's own
+            frames of the traceback and an ``error: ...`` line are printed first.
+    """
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise click.BadParameter(f"{path!r}: expected MODULE:APP, e.g. myproject.jobs:app")
     sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not (module_name + ".").startswith(exc.name + "."):
-            raise  # the module was found; something it imports was not
-        raise click.BadParameter(
-            f"{path!r}: no module {exc.name!r} in the current directory ({os.getcwd()}) or on "
-            "sys.path; run from the directory that holds it, or add that to PYTHONPATH"
-        ) from None
+    except Exception as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name is not None \
+                and (module_name + ".").startswith(exc.name + "."):
+            raise click.BadParameter(
+                f"{path!r}: no module {exc.name!r} in the current directory ({os.getcwd()}) "
+                "or on sys.path; run from the directory that holds it, or add that to "
+                "PYTHONPATH") from None
+        _import_failed(path, module_name, exc)
     app = getattr(module, attr, None)
     if not isinstance(app, App):
         raise click.BadParameter(f"{path!r} is not a skipjack App")
@@ -126,6 +135,21 @@ def load_app(path: str, dsn: str | None, schema: str | None) -> App:
         raise click.BadParameter(f"--schema (or $SKIPJACK_SCHEMA) {schema!r} differs from the "
                                  f"app's schema {app.schema!r}")
     return app
+
+
+def _import_failed(path: str, module_name: str, exc: Exception) -> NoReturn:
+    """Say that importing ``module_name`` (of MODULE:APP ``path``) raised ``exc``: the
+    traceback's frames outside the import machinery and this module (the application's
+    own), the exception, and an ``error: ...`` line; then exit with status 2."""
+    machinery = os.path.dirname(importlib.__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(("<frozen importlib", machinery))
+              and f.filename != __file__]
+    click.echo("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+               + "".join(traceback.format_exception_only(exc)), err=True, nl=False)
+    click.echo(f"error: importing {module_name!r} (of {path!r}) raised "
+               f"{type(exc).__name__}: {str(exc).strip()}", err=True)
+    raise click.exceptions.Exit(2)
 
 
 # Commands of the separate skipjack-tools distribution: name -> (module, attribute, the
