@@ -350,6 +350,32 @@ def test_json_formatter_and_level_parsing() -> None:
         parse_levels(["skipjack.jobs=LOUD"])
 
 
+def test_a_line_another_console_handler_writes_is_not_written_twice(tmp_path: Path) -> None:
+    # as under manage.py skipjack worker with DEBUG = True: Django's console handler on the
+    # django logger, and the command's handler on the root; a file handler still gets both
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import logging, sys\n"
+        "from skipjack.logs import configure\n"
+        "configure(stream=sys.stdout)\n"
+        "logging.getLogger('django').addHandler(logging.StreamHandler(sys.stderr))\n"
+        "quiet = logging.StreamHandler(sys.stderr)\n"
+        "quiet.setLevel(logging.ERROR)\n"
+        "logging.getLogger('chatty').addHandler(quiet)\n"
+        f"logging.getLogger('filed').addHandler(logging.FileHandler({str(tmp_path / 'f.log')!r}))\n"
+        "logging.getLogger('django.tasks').warning('django line')\n"
+        "logging.getLogger('chatty.sub').warning('below the console handler level')\n"
+        "logging.getLogger('filed').warning('filed line')\n"
+        "logging.getLogger('skipjack.worker').warning('own line')\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stderr.splitlines() == ["django line"]
+    assert [line.split(" ", 3)[-1] for line in out.stdout.splitlines()] == [
+        "chatty.sub: below the console handler level", "filed: filed line",
+        "skipjack.worker: own line"]
+    assert (tmp_path / "f.log").read_text() == "filed line\n"
+
+
 def _workers_if(app: App, n: int) -> list[dict[str, Any]] | None:
     rows = _workers(app)
     return rows if len(rows) == n else None

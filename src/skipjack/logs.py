@@ -95,6 +95,23 @@ def parse_levels(values: Iterable[str]) -> tuple[int | None, dict[str, int]]:
     return root, loggers
 
 
+def _not_on_the_console_already(record: logging.LogRecord) -> bool:
+    """False for a record that a handler of a logger below the root, on the record's way up
+    to it, already writes to stderr or stdout: Django's ``console`` handler on its
+    ``django`` logger (with ``DEBUG = True``) would otherwise show each ``django.*`` line
+    twice under ``manage.py skipjack worker``. A handler writing anywhere else (a file)
+    does not count: such lines still reach the root's handler too."""
+    consoles = (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None and logger.parent is not None:  # the root's own: not below it
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream in consoles \
+                    and record.levelno >= handler.level and handler.filter(record):
+                return False
+        logger = logger.parent if logger.propagate else None
+    return True
+
+
 def configure(level: int = logging.INFO, fmt: LogFormat = "text",
               loggers: dict[str, int] | None = None, stream: IO[str] | None = None) -> None:
     """Send every log record to ``stream`` (default stderr), as text or one JSON object per
@@ -108,6 +125,7 @@ def configure(level: int = logging.INFO, fmt: LogFormat = "text",
     """
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.addFilter(_not_on_the_console_already)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
