@@ -203,6 +203,13 @@ class Declarations(JobsTestCase):
         self.assertIn("make it a sync def", message)
         self.assertNotIn("shop.async_complete", app.tasks)
 
+    def test_the_django_tasks_of_the_installed_apps_are_known_from_the_start(self) -> None:
+        # weekly_digest is never enqueued: its runner was made when Django started, so the
+        # dashboard's task list offers it
+        self.assertTrue(dict.__contains__(app.tasks, "shop.tasks.weekly_digest"))
+        self.assertEqual(app.tasks["shop.tasks.weekly_digest"].queue, "reports")
+        self.assertEqual(app.tasks["shop.tasks.weekly_digest"].max_attempts, 1)
+
     def test_a_task_declared_outside_the_installed_apps_after_setup_warns(self) -> None:
         import sys
 

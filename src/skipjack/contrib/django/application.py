@@ -440,7 +440,12 @@ def autodiscover() -> None:
         autodiscover_modules(module)
 
 
-def register_backend_crons() -> None:
-    """Schedule the ``cron`` entries of every ``.tasks.SkipjackBackend`` in ``TASKS``."""
-    from .tasks import register_crons
+def register_backend_tasks() -> None:
+    """Make the runners of the Django tasks (sent to a ``.tasks.SkipjackBackend``) that the
+    autodiscovered modules hold, and schedule the ``cron`` entries of every such backend in
+    ``TASKS``."""
+    from .tasks import register_crons, register_discovered
+    module = skipjack_settings().get("AUTODISCOVER", "tasks")
+    if module:
+        register_discovered(get_app(), module)
     register_crons(get_app())

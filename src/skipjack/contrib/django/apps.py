@@ -18,12 +18,12 @@ class SkipjackConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from .application import autodiscover, get_app, register_backend_crons
+        from .application import autodiscover, get_app, register_backend_tasks
 
         post_migrate.connect(_migrate, sender=self, dispatch_uid="skipjack-migrate")
         get_app()  # the settings are checked now, not at the first enqueue
         autodiscover()
-        register_backend_crons()
+        register_backend_tasks()
 
 
 def _migrate(sender: AppConfig, using: str = "default", verbosity: int = 1,

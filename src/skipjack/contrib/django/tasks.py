@@ -358,6 +358,27 @@ def runner_for(app: DjangoApp, django_task: DjangoTask) -> Task:
         return runner
 
 
+def register_discovered(app: DjangoApp, module: str) -> None:
+    """Make the runner (``runner_for``) of every Django task sent to a skipjack backend that
+    the ``module`` module of an installed app holds (imported by ``autodiscover``), at
+    startup: the dashboard's task list and ``app.tasks`` then know it before its first
+    enqueue, as they know skipjack's own tasks. A task whose backend is not configured is
+    left for its enqueue to refuse."""
+    for config in apps.get_app_configs():
+        found = sys.modules.get(f"{config.name}.{module}")
+        if found is None:
+            continue
+        for value in list(vars(found).values()):
+            if not isinstance(value, _DjangoTask):
+                continue
+            try:
+                backend = task_backends[value.backend]
+            except Exception:  # an alias TASKS does not configure
+                continue
+            if isinstance(backend, SkipjackBackend):
+                runner_for(app, value)
+
+
 def runner_for_path(app: DjangoApp, path: str) -> Task | None:
     """``runner_for`` the Django task at ``path`` if it is one sent to a skipjack
     backend, else None (a worker's lookup of a job's task name). Only modules already
