@@ -236,12 +236,27 @@ class BadStr(Exception):
         raise RuntimeError("no str for you")
 
 
+class LibraryAbort(BaseException):
+    """A library's own BaseException, not an Exception (some libraries' timeouts are)."""
+
+
+def _raise_base_exception(how: str) -> None:
+    """Raise the BaseException (not an Exception) that ``how`` names, if it names one."""
+    if how == "exit":
+        raise SystemExit(3)
+    if how == "keyboard":
+        raise KeyboardInterrupt()
+    if how == "generator_exit":
+        raise GeneratorExit()
+    if how == "library_abort":
+        raise LibraryAbort("aborted")
+
+
 @app.task(name="misbehave", max_attempts=1)
 async def misbehave(how: str) -> str | None:
     """Ways a handler can misbehave that must fail only its own job."""
     log_event("start")
-    if how == "exit":
-        raise SystemExit(3)
+    _raise_base_exception(how)
     if how == "bad_str":
         raise BadStr()
     if how == "cancelled":
@@ -249,6 +264,34 @@ async def misbehave(how: str) -> str | None:
     if how == "huge_result":
         return "y" * (2 * 1024 * 1024)
     return None
+
+
+@app.task(name="deaf", timeout=0.5, max_attempts=1)
+async def deaf(seconds: float) -> str:
+    """Catches every CancelledError and goes on, for ``seconds``."""
+    log_event("start")
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        try:
+            await asyncio.sleep(left)
+        except asyncio.CancelledError:
+            log_event("cancel ignored")
+    log_event("finish")
+    return "done"
+
+
+@app.task(name="misbehave_sync", max_attempts=1)
+def misbehave_sync(how: str) -> None:
+    """``misbehave``'s BaseExceptions, from a sync handler."""
+    log_event("start")
+    _raise_base_exception(how)
+
+
+@app.task(name="misbehave_claim", transaction="claim", max_attempts=1)
+def misbehave_claim(how: str) -> None:
+    """``misbehave``'s BaseExceptions, from a claim-mode handler."""
+    log_event("start")
+    _raise_base_exception(how)
 
 
 @app.task(name="pooled")
@@ -277,6 +320,26 @@ def _misbehave(conn: Any, how: str) -> None:
         conn.execute("SELECT 1 / 0")
     except psycopg.Error:
         pass  # and go on, with the transaction aborted
+
+
+@app.task(name="claim_loses_session", transaction="claim", max_attempts=2,
+          backoff=Backoff(base=0.2, cap=0.5))
+def claim_loses_session(how: str) -> None:
+    """Ends its claim's session: terminates its backend ("terminate") or closes the
+    connection ("close")."""
+    log_event("start")
+    conn = current_job().conn
+    if how == "terminate":
+        conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    else:
+        conn.close()
+    log_event("finish")
+
+
+@app.task(name="claim_ok", transaction="claim")
+def claim_ok() -> None:
+    log_event("start")
+    log_event("finish")
 
 
 @app.task(name="claim_discards", transaction="claim", lease=2.0)

@@ -160,19 +160,30 @@ def test_fc22_sigterm_releases_unfinished_jobs_at_once(tasks: App, tmp_path: Pat
 def test_unknown_task_waits_for_a_worker_that_knows_it_without_using_attempts(
         tasks: App, tmp_path: Path) -> None:
     """A job of a task this worker does not know (a rolling deploy: an old worker sees a new
-    task) is released, its attempt not counted, while it is younger than the grace; the
-    worker says which task it does not know."""
+    task) is released, its attempt not counted, while it is younger than the grace, and its
+    error is kept once however often it is released; the worker says which task it does
+    not know. Past the grace, the job goes to the dead letter."""
     (job_id,) = enqueue(tasks, "sleep")
     query(tasks.dsn, "UPDATE {schema}.jobs SET task = 'newer.task', max_attempts = 1 "
                      "WHERE id = %s", [job_id], schema=tasks.schema)
+    # released for 8 s after its enqueue, each time for half of that
     w = WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, "--unknown-task-grace",
-                      "1h", log=tmp_path / "w.log")
+                      "8s", log=tmp_path / "w.log")
     with w:
         job = wait_until(lambda: (j := tasks.get_job(job_id)) and j["errors"] and j,
                          timeout=30, what="the job released once")
-    assert job["state"] in ("scheduled", "available") and job["attempt"] == 0
-    assert "unknown task 'newer.task'" in job["errors"][-1]["error"]
-    assert "unknown task 'newer.task'" in w.log()
+        assert job["state"] in ("scheduled", "available") and job["attempt"] == 0
+        assert "unknown task 'newer.task'" in job["errors"][-1]["error"]
+        assert "unknown task 'newer.task'" in w.log()
+        wait_until(lambda: w.log().count(f"job {job_id} released") >= 2, timeout=30,
+                   what="a second release")
+        again = tasks.get_job(job_id) or {}
+        assert again["attempt"] == 0 and len(again["errors"]) == 1
+        assert again["errors"][0]["at"] > job["errors"][0]["at"]  # the latest release's
+        final = wait_until(lambda: (j := tasks.get_job(job_id)) and j["state"] == "discarded"
+                           and j, timeout=30, what="the dead letter after the grace")
+    assert final["attempt"] == 1 and len(final["errors"]) == 2
+    assert all("unknown task 'newer.task'" in e["error"] for e in final["errors"])
 
 
 def test_args_that_do_not_fit_the_handler_go_to_the_dead_letter_at_once(
@@ -181,12 +192,19 @@ def test_args_that_do_not_fit_the_handler_go_to_the_dead_letter_at_once(
     worker does not call the handler and discards the job on its first attempt."""
     (misspelt,) = enqueue(tasks, "sleep", secnds=1)  # sleep(seconds=0.0) in jobs_app
     (fine,) = enqueue(tasks, "sleep", seconds=0)
+    (array,) = enqueue(tasks, "sleep", seconds=0)  # its args made an array by other code
+    query(tasks.dsn, "UPDATE {schema}.jobs SET args = '[1, 2]' WHERE id = %s", [array],
+          schema=tasks.schema)
     with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log"):
-        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1, "discarded": 1},
-                   timeout=30, what="both jobs finished")
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 1, "discarded": 2},
+                   timeout=30, what="the jobs finished")
     job = tasks.get_job(misspelt) or {}
     assert job["state"] == "discarded" and job["attempt"] == 1
     assert job["errors"][-1]["error"].startswith("ArgumentsError: unexpected argument 'secnds'")
+    job = tasks.get_job(array) or {}
+    assert job["state"] == "discarded" and job["attempt"] == 1
+    assert job["errors"][-1]["error"] == ("ArgumentsError: a job's args must be a JSON object "
+                                          "of keyword arguments, not an array")
     assert set(exec_counts(tasks.dsn, tasks.schema)) == {fine}  # never called with them
 
 
@@ -711,6 +729,81 @@ def test_misbehaving_handlers_fail_only_their_own_job(tasks: App, tmp_path: Path
     assert set(exec_counts(tasks.dsn, tasks.schema, "finish")) == set(ok)
 
 
+def test_a_handler_s_base_exception_fails_its_attempt_in_every_mode(
+        tasks: App, tmp_path: Path) -> None:
+    """SystemExit, KeyboardInterrupt, GeneratorExit and a library's own BaseException (none
+    of them an Exception) raised by an async, a sync or a claim-mode handler: each fails its
+    attempt (its last: the dead letter) and no more. Before, the last two left an async or
+    sync job running for the worker's life, and in claim mode the first two ended the
+    worker."""
+    ways = {"exit": "SystemExit: 3", "keyboard": "KeyboardInterrupt",
+            "generator_exit": "GeneratorExit", "library_abort": "LibraryAbort: aborted"}
+    for name in ("misbehave_sync", "misbehave_claim"):
+        tasks.task(name=name)(lambda **kw: None)
+    ids = {(name, how): tasks.enqueue(tasks.tasks[name].configure(max_attempts=1).job(how=how))
+           for name in ("misbehave", "misbehave_sync", "misbehave_claim") for how in ways}
+    ok = enqueue(tasks, "sleep", 5)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], *FAST, log=tmp_path / "w.log") as w:
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 5,
+                                                               "discarded": len(ids)},
+                   timeout=60, what="every job ended")
+        assert w.proc.poll() is None
+    for (name, how), job_id in ids.items():
+        job = tasks.get_job(job_id) or {}
+        assert (job["attempt"], len(job["errors"])) == (1, 1), (name, how, job)
+        assert ways[how] in job["errors"][-1]["error"], (name, how, job["errors"])
+    assert set(exec_counts(tasks.dsn, tasks.schema, "finish")) == set(ok)
+    assert sorted(exec_counts(tasks.dsn, tasks.schema, "start").values()) == [1] * (len(ids) + 5)
+
+
+@pytest.mark.parametrize("how", ["terminate", "close"])
+def test_a_claim_whose_session_is_lost_counts_its_attempt_and_holds_back_no_other_job(
+        tasks: App, tmp_path: Path, how: str) -> None:
+    """A claim-mode handler that ends its claim's session (terminates its backend, closes its
+    connection): the server rolls the claim back, and the worker counts the attempt all the
+    same, so that the job is retried after its backoff and ends in the dead letter after
+    its attempts. Before, it was claimed again at once, ahead of its queue's other jobs,
+    without using attempts, and with one slot those never ran."""
+    for name in ("claim_loses_session", "claim_ok"):
+        tasks.task(name=name)(lambda **kw: None)
+    bad = tasks.tasks["claim_loses_session"].configure(max_attempts=2).enqueue(how=how)
+    ok = enqueue(tasks, "claim_ok", 5)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "1", *FAST,
+                       log=tmp_path / "w.log") as w:
+        wait_until(lambda: states(tasks.dsn, tasks.schema) == {"succeeded": 5, "discarded": 1},
+                   timeout=60, what="every job ended")
+        assert w.proc.poll() is None
+    job = tasks.get_job(bad) or {}
+    assert (job["attempt"], len(job["errors"])) == (2, 2), job
+    assert exec_counts(tasks.dsn, tasks.schema)[bad] == 2
+    assert set(ok) <= set(exec_counts(tasks.dsn, tasks.schema, "finish"))
+    assert f"job {bad}: its claim's session was lost while its handler ran" in w.log()
+    assert f"job {bad} failed: claim_loses_session on default, attempt 1/2" in w.log()
+
+
+def test_an_async_handler_that_ignores_its_timeout_is_recorded_and_left_running(
+        tasks: App, tmp_path: Path) -> None:
+    """An async handler past its timeout that catches the CancelledError and goes on: its
+    attempt fails all the same (here its last: the dead letter), CANCEL_GRACE seconds after
+    the cancellation, as a sync handler's does; it runs on in its slot, and the worker's
+    other slot goes on running jobs. Before, it held its job running, and its slot, for as
+    long as it ran."""
+    deaf = tasks.task(name="deaf", max_attempts=1)(lambda **kw: None).enqueue(seconds=3600)
+    with WorkerProcess(tasks.dsn, tasks.schema, ["default"], "--concurrency", "2", *FAST,
+                       log=tmp_path / "w.log") as w:
+        job = wait_until(lambda: (j := tasks.get_job(deaf)) and j["state"] == "discarded"
+                         and j, timeout=60, what="the deaf handler's attempt recorded")
+        assert job["errors"][-1]["error"] == "TimeoutError: timed out after 0.5s"
+        assert f"job {deaf}: its async handler (deaf) went on for 5s after its cancellation" \
+            in w.log()
+        ok = enqueue(tasks, "sleep", 3)
+        wait_until(lambda: set(ok) <= exec_counts(tasks.dsn, tasks.schema, "finish").keys(),
+                   timeout=30, what="the other slot's jobs")
+        assert exec_counts(tasks.dsn, tasks.schema, "cancel ignored") == {deaf: 1}
+        assert deaf not in exec_counts(tasks.dsn, tasks.schema, "finish")  # it runs on
+    assert f"job {deaf}: stale" not in w.log()
+
+
 @pytest.mark.parametrize(("task", "seconds", "said"), [
     ("stubborn", None, "ignored cancellation"),  # an async handler that swallows it
     ("sleep", 120, "1 sync handler threads are still running"),  # a thread cannot be stopped
@@ -893,8 +986,10 @@ def test_cli_worker_on_the_embedded_server_stops_it_when_it_exits(tmp_path: Path
 def test_worker_warns_when_it_serves_no_queue_of_the_apps_tasks(
         app: App, caplog: pytest.LogCaptureFixture) -> None:
     app.task(name="send", queue="emails")(lambda: None)
-    for queues, warned in ((["default"], True), (["default", "emails"], False),
-                           (["bulk"], False)):  # jobs may reach a queue by configure(queue=)
+    for queues, warned, near_miss in (
+            (["default"], True, False), (["default", "emails"], False, False),
+            (["bulk"], False, False),  # jobs may reach a queue by configure(queue=)
+            (["email"], False, True)):  # but a near miss of a task's queue is a typo
         caplog.clear()
         worker = Worker(app, queues, poll_interval=0.2)
         thread = threading.Thread(target=lambda w=worker: asyncio.run(w.run_async()))
@@ -906,6 +1001,8 @@ def test_worker_warns_when_it_serves_no_queue_of_the_apps_tasks(
                 worker.stop()
                 thread.join(30)
         assert ("serving only the queue 'default'" in caplog.text) is warned
+        assert ("serving the queue 'email', which no task of this app has as its queue "
+                "(did you mean 'emails'?)" in caplog.text) is near_miss
 
 
 def test_jobs_that_came_without_a_wake_up_are_claimed_at_every_poll(app: App) -> None:

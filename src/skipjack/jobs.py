@@ -110,8 +110,13 @@ class HandlerArguments:
         return cls(frozenset(names), frozenset(required), any_keyword, order)
 
     def mismatch(self, args: Mapping[str, object]) -> str | None:
-        """Why ``args`` cannot be passed as keyword arguments, or None when they can."""
-        keys = args.keys()
+        """Why ``args`` cannot be passed as keyword arguments, or None when they can (a
+        job's args that are not a JSON object, written by other code, never can)."""
+        try:
+            keys = args.keys()
+        except AttributeError:
+            return (f"a job's args must be a JSON object of keyword arguments, not "
+                    f"{_json_kind(args)}")
         if (self.any_keyword or keys <= self.names) and self.required <= keys \
                 and self.required <= self.names:
             return None  # the common case, without building a set
@@ -125,6 +130,14 @@ class HandlerArguments:
         problems += [f"missing argument {n!r}" for n in missing]
         takes = ", ".join(self.order or sorted(self.names)) or "no arguments"
         return f"{'; '.join(problems)} (the handler takes {takes})"
+
+
+def _json_kind(value: object) -> str:
+    """What JSON calls the type of ``value`` (a decoded JSON value): "an array", "a string"."""
+    kinds = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (str, "a string"),
+             (list, "an array"), (type(None), "null"))
+    return next((name for kind, name in kinds if isinstance(value, kind)),
+                type(value).__name__)
 
 
 STATES = ("scheduled", "available", "running", "succeeded", "discarded", "cancelled")
@@ -384,7 +397,8 @@ def scrub_text(text: str) -> str:
 def dump_result(value: object) -> str | None:
     """Serialise a handler's return value for the ``result`` column, never failing.
 
-    JSON values are kept (NUL replaced by U+FFFD); anything else is stored as its ``repr``
+    JSON values are kept as ``json.dumps`` writes them (a tuple as an array, a key that is
+    not a string as one; NUL replaced by U+FFFD); anything else is stored as its ``repr``
     (NaN/Infinity too). A result over 1 MiB serialised is replaced by a note saying so.
     Returns None for None.
     """
@@ -404,16 +418,17 @@ def dump_result(value: object) -> str | None:
     return scrub_text(text)
 
 
-def job_ids(values: Iterable[object]) -> list[int]:
+def job_ids(values: Iterable[object], field: str = "ids") -> list[int]:
     """Job ids as plain ints, for an array parameter (a ``skipjack.JobHandle`` is an
     int subclass, which psycopg will not put in one array with plain ints).
 
     Raises:
-        ValidationError: a value is not an int (bools are not ids).
+        ValidationError: (naming ``field``) a value is not an int in 1..2^63-1 (bools are
+            not ids).
     """
     out = []
     for value in values:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**63:
-            raise ValidationError("ids", f"{value!r} is not a job id (an int in 1..2^63-1)")
+            raise ValidationError(field, f"{value!r} is not a job id (an int in 1..2^63-1)")
         out.append(int(value))
     return out

@@ -49,7 +49,7 @@ from ..errors import ArgumentsError, HandlerTransactionError
 from ..hooks import Hooks
 from ..outcome import DEFAULT_BACKOFF, Outcome, decide, outcome_params
 from ..sql.arrays import number_array
-from ..sql.claim import claim_lock_key
+from ..sql.claim import LOST_CLAIM_LOCK_TIMEOUT, claim_lock_key
 from .executor import ENDED, Executor, check_handler_transaction, transaction_now
 from .heartbeat import Leases
 from .report import Reporter, WorkerStats
@@ -463,7 +463,10 @@ class ClaimModeRunners:
                 return watch.recorded
             assert isinstance(exc, psycopg.Error)
             if connection_lost(exc):
-                raise
+                counted = self._count_lost_session(*claimed[0], exc) if claimed else None
+                if counted is None:
+                    raise
+                return counted
             if claimed:
                 return self._count_failed_commit(*claimed[0], exc)
             self._skip_first_candidate(queue, exc)
@@ -511,7 +514,7 @@ class ClaimModeRunners:
                     raise _Refused(refusal) from refusal  # rolls back to the savepoint
         except _Refused as refused:
             error = refused.error
-        except Exception as exc:  # the handler failed (Snooze included)
+        except BaseException as exc:  # the handler failed (Snooze, SystemExit... included)
             ended = conn.info.transaction_status == TransactionStatus.IDLE
             if ended and not isinstance(exc, HandlerTransactionError):
                 exc = HandlerTransactionError(f"{ENDED}; it then raised "
@@ -552,6 +555,33 @@ class ClaimModeRunners:
                 raise
             self._skipped.add(job.id, str(refused).strip())  # nothing of it can be written
             return outcome, None, None
+        return (outcome, *_state(rows))
+
+    def _count_lost_session(self, job: Job, task: Task, exc: psycopg.Error) -> Recorded | None:
+        """The claim's session was lost while its handler ran (the handler closed or ended
+        it, or the server or the network did): the server rolls the claim back. Count the
+        failed attempt on another connection, with that error, so that the job neither
+        comes back at once, ahead of its queue's other jobs, nor runs again and again
+        without using attempts. None when it cannot be counted now (the database cannot be
+        reached, or still holds the claim's row lock after ``LOST_CLAIM_LOCK_TIMEOUT``):
+        the job is then free again with no attempt counted, as after a crash."""
+        lost = decide(job, task, error=exc)  # a release: a lost connection is no failure
+        assert lost is not None
+        outcome = dataclasses.replace(lost, kind="retry", delay=task.backoff.delay(job.attempt))
+        pool = self._executor.pool
+        assert pool is not None
+        try:
+            with pool.connection() as conn, conn.transaction():
+                conn.execute(LOST_CLAIM_LOCK_TIMEOUT)
+                rows = conn.execute(self._db.queries.COUNT_UNDONE_ATTEMPT, {
+                    "id": job.id, "attempt": job.attempt, "delay": outcome.delay,
+                    "error": outcome.error}).fetchall()
+        except psycopg.Error as failed:
+            log.warning("job %s: its claim's session was lost (%s); its attempt could not be "
+                        "counted: %s", job.id, str(exc).strip(), str(failed).strip())
+            return None
+        log.error("job %s: its claim's session was lost while its handler ran: %s", job.id,
+                  str(exc).strip())
         return (outcome, *_state(rows))
 
     def _skip_first_candidate(self, queue: str, exc: psycopg.Error) -> None:

@@ -51,6 +51,11 @@ from .slots import Running, Slots
 log = logging.getLogger("skipjack.worker")
 
 UNKNOWN_WARN_EVERY = 60.0  # seconds between warnings about one unknown task
+# Seconds an async handler has to end once it was cancelled (a timeout, a cancellation
+# request, a lost lease). One that catches its CancelledError and goes on is then left
+# running, holding its slot until it returns, and its attempt is recorded as the
+# cancellation decides (a timeout: a failed attempt), as for a sync handler's thread.
+CANCEL_GRACE = 5.0
 # The most jobs Executor.fill starts in one turn of the event loop. Handlers that never wait
 # end as they start (eager tasks), so a fill could run a whole buffer of 1,000 no-op jobs
 # before the loop turned: the next claim and the outcome writes then waited for it, and the
@@ -277,9 +282,43 @@ class Executor:
         if running is None or running.job.lease_version != lease_version:
             return False
         running.ctx.cancel(reason, cause)
-        if running.is_async and running.task is not None:
-            running.task.cancel()
+        if running.is_async:
+            self._cancel_async(running)
         return True
+
+    def _cancel_async(self, running: Running) -> None:
+        """Cancel an async handler's task; ``_abandon_if_deaf`` CANCEL_GRACE seconds later."""
+        if running.task is None or running.task.done():
+            return
+        running.task.cancel()
+        asyncio.get_running_loop().call_later(CANCEL_GRACE, self._abandon_if_deaf, running)
+
+    def _abandon_if_deaf(self, running: Running) -> None:
+        """An async handler cancelled CANCEL_GRACE seconds ago that still runs caught its
+        CancelledError and went on: record its attempt now, as its cancellation decides (a
+        timeout: a failed attempt; a cancellation request: cancelled; a lost lease:
+        nothing), and leave the handler running. Until it returns it holds its slot, as a
+        sync handler's stuck thread does, and what it returns is not recorded."""
+        job = running.job
+        if running.task is None or running.task.done() or running.superseded \
+                or self._slots.running.get(job.id) is not running:
+            return
+        cause = running.ctx.cancellation
+        log.warning("job %s: its async handler (%s) went on for %.0fs after its cancellation "
+                    "(%s): it caught the CancelledError; the attempt is recorded now and the "
+                    "handler left running, holding its slot until it returns", job.id,
+                    job.task, CANCEL_GRACE, cause[1] if cause else "cancelled")
+        running.superseded = running.abandoned = True
+        del self._slots.running[job.id]
+        self._slots.stuck_threads += 1
+        outcome = decide(job, self._tasks.get(job.task), cancelled=cause,
+                         unknown_task_grace=self._unknown_task_grace)
+        if outcome is None:
+            self._leases.remove(job.id, job.lease_version)
+            return
+        if running.ctx.reported is not None:
+            outcome = dataclasses.replace(outcome, progress=running.ctx.reported)
+        self._completer.submit(outcome)
 
     def shut_down(self) -> None:
         """Take every running job from its handler: the worker is shutting down."""
@@ -317,9 +356,10 @@ class Executor:
                 outcome = decide(job, task, result=result, cancelled=ctx.cancellation, ran=ran)
         except Snooze as exc:
             outcome = decide(job, task, error=exc, ran=time.monotonic() - started)
-        except (asyncio.CancelledError, Exception, SystemExit, KeyboardInterrupt) as exc:
-            # ours (lease lost, cancel requested, timeout, shutdown) or the handler's own; a
-            # handler never ends the worker
+        except BaseException as exc:
+            # ours (lease lost, cancel requested, timeout, shutdown) or the handler's own,
+            # whatever its class (SystemExit, KeyboardInterrupt, GeneratorExit, a library's
+            # own BaseException): a handler never ends the worker, nor leaves its job running
             error = exc
             called = task is not None and not isinstance(exc, ArgumentsError)
             outcome = decide(job, task, error=exc, cancelled=ctx.cancellation,
@@ -334,6 +374,8 @@ class Executor:
                 del self._slots.running[job.id]
             self.fill()  # the next buffered job takes the slot at once
             self._on_slot_freed(job.queue)
+        if running.abandoned:  # its attempt was recorded then (see _abandon_if_deaf)
+            return
         if outcome is not None:
             if ctx.reported is not None:
                 outcome = dataclasses.replace(outcome, progress=ctx.reported)
@@ -368,8 +410,10 @@ class Executor:
             # the cause is set before the handler is cancelled, so that what runs as it
             # unwinds (a hook's context) already knows it timed out
             running.ctx.cancel(f"timed out after {task.timeout}s", "timed out")
-            if running.task is not None:
-                running.task.cancel()
+            if running.is_async:
+                self._cancel_async(running)
+            elif running.task is not None:
+                running.task.cancel()  # the wait for its thread (see in_thread)
 
         timer = asyncio.get_running_loop().call_later(task.timeout, expire)
         try:

@@ -41,7 +41,8 @@ class Running:
     ctx: JobContext
     task: asyncio.Task[None] | None = None
     is_async: bool = False
-    superseded: bool = False  # a later claim of the same job replaced this run
+    superseded: bool = False  # a later claim of the same job replaced this run, or:
+    abandoned: bool = False  # it ignored its cancellation; its attempt is recorded already
 
 
 class Slots:
@@ -55,11 +56,12 @@ class Slots:
 
     A slot is in use by a running job (``running``), by a claim-mode runner
     (``claim_mode``), or by a handler thread that the worker stopped waiting for but that
-    has not returned yet (``stuck_threads``): claiming for it would only make a job wait
-    for a thread. A claim-mode runner's slot counts as free for claims (``room``): while
-    claimed jobs wait, runners give slots back after their jobs until they hold about as
-    many as the running jobs (``skipjack.runtime.claim_mode``), so that a steady stream of
-    claim-mode jobs cannot keep a worker's other queues from ever being claimed.
+    has not returned yet, or an async handler that went on after its cancellation
+    (``stuck_threads``): claiming for it would only make a job wait for a thread. A
+    claim-mode runner's slot counts as free for claims (``room``): while claimed jobs wait,
+    runners give slots back after their jobs until they hold about as many as the running
+    jobs (``skipjack.runtime.claim_mode``), so that a steady stream of claim-mode jobs
+    cannot keep a worker's other queues from ever being claimed.
     """
 
     def __init__(self, concurrency: int, prefetch: int | None) -> None:

@@ -21,6 +21,7 @@ handlers that exhaust the application's pool can never starve lease renewal or c
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 import os
 import secrets
@@ -350,6 +351,14 @@ class Worker:
         if self.queues == ("default",) and task_queues and "default" not in task_queues:
             log.warning("serving only the queue 'default', which no task of this app has as its "
                         "queue (they have %s): name them with --queue", ", ".join(task_queues))
+        for queue in self.queues:
+            # a queue no task has may be reached by configure(queue=): only a near miss of
+            # a task's queue is worth a word
+            close = [] if queue in task_queues else difflib.get_close_matches(
+                queue, task_queues, n=1, cutoff=0.8)
+            if close:
+                log.warning("serving the queue %r, which no task of this app has as its queue "
+                            "(did you mean %r?)", queue, close[0])
         producer = asyncio.create_task(self._producer.run(), name="skipjack-producer")
         helpers = [asyncio.create_task(listen(self.app.db, self._producer.mark_due,
                                               self._listener_connected,

@@ -335,9 +335,9 @@ SELECT name, setting::bigint FROM pg_settings
 """
 
 # A claim-mode job whose claim was undone (its handler rolled back the claim's transaction
-# itself, or the worker ended it at the lease): the failed attempt is counted here, with its
-# error and retry delay (or the dead letter if it was the last), unless another worker has
-# claimed the job since (its state or attempt count then differ).
+# itself, its session was lost, or the worker ended it at the lease): the failed attempt is
+# counted here, with its error and retry delay (or the dead letter if it was the last),
+# unless another worker has claimed the job since (its state or attempt count then differ).
 COUNT_UNDONE_ATTEMPT = """
 UPDATE {schema}.jobs AS j
    SET attempt = j.attempt + 1,
@@ -349,6 +349,11 @@ UPDATE {schema}.jobs AS j
  WHERE j.id = %(id)s AND j.state = 'available' AND j.attempt = %(attempt)s - 1
 RETURNING j.id, j.state, j.run_at
 """
+
+# The lock wait of COUNT_UNDONE_ATTEMPT after a claim's session was lost: the server may not
+# have rolled the claim back yet (it notices a dead client late); the attempt is then not
+# counted. Schema-free.
+LOST_CLAIM_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '2s'"
 
 # A claim-mode job whose handler ran past its lease: CLAIM_OPEN tells whether the claim's
 # session is still in the claim's transaction (which began at the claim's attempted_at; the

@@ -19,6 +19,9 @@ from __future__ import annotations
 # A job runnable later is 'scheduled', one runnable now 'available'. A job whose
 # cancellation was requested ends 'cancelled' instead of being retried or released.
 # progress is the handler's last progress report, kept when null.
+# error is appended to the job's errors; a release whose error is the last one's again (a job
+# of a task the worker does not know, released every few seconds for minutes) replaces that
+# entry instead, so that it is kept once, with the time of the latest release.
 # Times are statement_timestamp(): in a handler's own transaction now() is its start.
 # Rows are matched on (id, lease_version, state = 'running'): stale outcomes change nothing
 # and are missing from RETURNING, which gives each written job's new state and, for a retry or
@@ -57,7 +60,10 @@ UPDATE {schema}.jobs AS j
        result = o.result::jsonb,
        progress = coalesce(o.progress::jsonb, j.progress),
        errors = CASE WHEN o.error IS NULL THEN j.errors
-                     ELSE j.errors || jsonb_build_array(o.error::jsonb
+                     ELSE CASE WHEN o.kind = 'release'
+                                    AND j.errors -> -1 ->> 'error' = o.error::jsonb ->> 'error'
+                               THEN j.errors - -1 ELSE j.errors END
+                          || jsonb_build_array(o.error::jsonb
                           || jsonb_build_object('at', statement_timestamp(), 'worker', j.worker,
                                                 'started_at', j.attempted_at))
                 END
