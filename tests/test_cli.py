@@ -122,6 +122,13 @@ def test_retry_cancel_discard_by_filter_with_a_dry_run(tasks: App) -> None:
     states = dict(query(tasks.dsn, "SELECT id, state FROM {schema}.jobs", schema=tasks.schema))
     assert {states[i] for i in timeouts} == {"available"}
     assert {states[i] for i in refused + other} == {"discarded"}
+    # a queue with no job at all is named as such (a misspelt name), with the near miss
+    typo = cli(tasks, "jobs", "retry", "--queue", "mial")
+    assert typo.returncode == 0 and "0 jobs retried." in typo.stderr
+    assert "(no job of the queue 'mial' is waiting, running or discarded; did you mean " \
+           "'mail'?)" in typo.stderr
+    matched_none = cli(tasks, "jobs", "retry", "--queue", "mail", "--error-contains", "nope")
+    assert "0 jobs retried." in matched_none.stderr and "no job of" not in matched_none.stderr
     by_task = cli(tasks, "jobs", "retry", "--task", "u", "--since", "1h")
     assert "1 job retried." in by_task.stderr
     everything = cli(tasks, "jobs", "discard", "--all")

@@ -7,7 +7,7 @@ import json
 import math
 import threading
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -258,6 +258,13 @@ def test_delay_and_run_at_use_database_clock(app: App) -> None:
     run_at = query(app.dsn, "SELECT run_at FROM {schema}.jobs WHERE id = %s", [fixed],
                    schema=app.schema)[0][0]
     assert run_at == at
+    # in a chain of configure calls, the last of run_at and delay given wins
+    with pytest.raises(ValidationError, match="run_at: give run_at or delay, not both"):
+        t.configure(run_at=at, delay=5)
+    assert (t.configure(run_at=at).configure(delay=5).run_at, t.configure(run_at=at)
+            .configure(delay=5).delay) == (None, 5.0)
+    assert (t.configure(delay=5).configure(run_at=at).run_at, t.configure(delay=5)
+            .configure(run_at=at).delay) == (at, None)
 
 
 class Listener:
@@ -405,6 +412,19 @@ def test_bulk_enqueue_keeps_both_times_of_an_hour_the_clocks_repeat(app: App) ->
         stored = dict(query(app.dsn, "SELECT id, run_at FROM {schema}.jobs WHERE id = ANY(%s)",
                             [ids], schema=app.schema))
         assert [stored[i] for i in ids] == [at.astimezone(UTC) for at in times]
+
+
+def test_bulk_enqueue_takes_an_offset_postgresql_cannot_read(app: App) -> None:
+    """Python allows a UTC offset with seconds and microseconds; PostgreSQL reads none of
+    that in text: the bulk enqueue stores the same instant as the one-job enqueue."""
+    odd = datetime(2030, 1, 1, tzinfo=timezone(timedelta(hours=5, seconds=7,
+                                                         microseconds=5)))
+    t = _task(app)
+    one = t.configure(run_at=odd).enqueue()
+    many = app.enqueue_many([t.configure(run_at=odd).job(), t.job()])
+    stored = dict(query(app.dsn, "SELECT id, run_at FROM {schema}.jobs WHERE id = ANY(%s)",
+                        [[one, many[0]]], schema=app.schema))
+    assert stored[one] == stored[many[0]] == odd
 
 
 def test_args_bytes_is_the_size_of_the_json_sent(app: App) -> None:

@@ -124,6 +124,10 @@ def test_without_notifications_the_waiter_polls(tasks: App, tmp_path: Path,
 def test_no_such_job(tasks: App) -> None:
     with pytest.raises(JobNotFound, match="no job 999999999"):
         tasks.job_handle(999_999_999).result(timeout=5)
+    for bad in (1.5, True, 0, -5, 2**63, "7"):  # no handle to job 1 for 1.5 or True
+        with pytest.raises(ValidationError, match=r"job_id: .* is not a job id \(an int in "
+                                                  r"1\.\.2\^63-1\)"):
+            tasks.job_handle(bad)  # type: ignore[arg-type]
 
 
 def test_progress_is_visible_while_the_job_runs_and_after(tasks: App, tmp_path: Path) -> None:

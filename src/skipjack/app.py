@@ -39,6 +39,7 @@ from .jobs import (
     check_run_at,
     check_timeout,
     check_transaction,
+    job_ids,
     serialize_args,
     unique_states_mask,
 )
@@ -115,7 +116,9 @@ class Task:
             priority: -100..100, higher runs first.
             max_attempts: 1..10,000.
             run_at: aware datetime at which the job becomes runnable (UTC stored).
-            delay: seconds (or timedelta) from the database's ``now()`` at enqueue.
+            delay: seconds (or timedelta) from the database's ``now()`` at enqueue. One call
+                takes one of ``run_at`` and ``delay``; in a chain of calls the last one
+                given wins (``configure(run_at=t).configure(delay=5)``: in 5 s).
             idempotency_key: at most one job per key exists in the ``unique_while`` states;
                 enqueueing the key again returns the existing job's id (it never changes
                 that job, running or not).
@@ -135,18 +138,18 @@ class Task:
             changes["priority"] = check_priority(priority)
         if max_attempts is not None:
             changes["max_attempts"] = check_max_attempts(max_attempts)
-        if run_at is not None:
-            changes["run_at"] = check_run_at(run_at)
-        if delay is not None:
-            changes["delay"] = check_delay(delay)
+        if run_at is not None and delay is not None:
+            raise ValidationError("run_at", "give run_at or delay, not both")
+        if run_at is not None:  # and not an earlier configure's delay
+            changes["run_at"], changes["delay"] = check_run_at(run_at), None
+        if delay is not None:  # and not an earlier configure's run_at
+            changes["delay"], changes["run_at"] = check_delay(delay), None
         if idempotency_key is not None:
             changes["idempotency_key"] = check_idempotency_key(idempotency_key)
         if lease is not None:
             changes["lease"] = check_lease(lease)
         if unique_while is not None:
             changes["unique_states"] = unique_states_mask(unique_while)
-        if changes.get("run_at") is not None and changes.get("delay") is not None:
-            raise ValidationError("run_at", "give run_at or delay, not both")
         return dataclasses.replace(self, **changes)
 
     def job(self, *args: Any, **kwargs: Any) -> JobSpec:
@@ -549,8 +552,13 @@ class App(Admin):
 
     def job_handle(self, job_id: int) -> JobHandle:
         """A ``skipjack.JobHandle`` for the job ``job_id`` of this app (whether it
-        exists is checked when the handle is used)."""
-        return JobHandle(job_id, self)
+        exists is checked when the handle is used).
+
+        Raises:
+            ValidationError: ``job_id`` is not an int in 1..2^63-1 (a float or a bool is not).
+        """
+        (checked,) = job_ids([job_id], "job_id")
+        return JobHandle(checked, self)
 
     def default_connection(self) -> psycopg.Connection[Any] | None:
         """The connection enqueues without ``conn`` join: None here (the app's own, committed

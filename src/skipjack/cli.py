@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import logging
@@ -751,8 +752,23 @@ def _act(ctx: click.Context, action: actions.Action, job_ids: tuple[int, ...],
     for job_id, outcome in account.outcomes.items():
         click.echo(f"{job_id}\t{outcome}")
     click.echo(account.describe(), err=True)
+    if not account.outcomes and queue is not None:
+        _say_if_no_such_queue(app, queue)
     if account.left_alone and job_ids:
         ctx.exit(1)
+
+
+def _say_if_no_such_queue(app: App, queue: str) -> None:
+    """After a filter of ``--queue`` matched nothing: say so when the queue holds no waiting,
+    running or discarded job at all (a misspelt name), with the near misses among those that
+    do."""
+    depth = app.queue_summary()["depth"]
+    if queue in depth:
+        return
+    close = difflib.get_close_matches(queue, list(depth), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    click.echo(f"(no job of the queue {queue!r} is waiting, running or discarded{hint})",
+               err=True)
 
 
 @jobs.command("retry")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import nullcontext
+from datetime import UTC
 from itertools import chain
 from operator import attrgetter
 from typing import Any
@@ -53,9 +54,12 @@ def chunks(jobs: Iterable[JobSpec]) -> Iterator[Chunk]:
     chars = 0
     for i, spec in enumerate(jobs):
         if not isinstance(spec, JobSpec):
+            hint = (f" {spec!r}: to enqueue a task this code does not import, declare it by "
+                    "its name on this app (@app.task(name=...)); see docs/enqueueing.md"
+                    if isinstance(spec, str) else "")
             raise ValidationError(
-                f"jobs[{i}]", f"must be a JobSpec (from Task.job()), got {type(spec).__name__}"
-            )
+                f"jobs[{i}]",
+                f"must be a JobSpec (from Task.job()), got {type(spec).__name__}{hint}")
         size = len(spec.args_json)
         if chunk and (len(chunk) == CHUNK_JOBS or chars + size > CHUNK_MAX_CHARS):
             yield chunk, True
@@ -67,7 +71,9 @@ def chunks(jobs: Iterable[JobSpec]) -> Iterator[Chunk]:
 
 
 def _iso(values: list[Any]) -> list[Any]:
-    return [None if v is None else v.isoformat() for v in values]
+    """Aware datetimes as ISO 8601 text in UTC: the same instants, with none of the offsets
+    PostgreSQL cannot read (one with seconds or microseconds, which Python allows)."""
+    return [None if v is None else v.astimezone(UTC).isoformat() for v in values]
 
 
 # The columns of a bulk enqueue besides args: (JobSpec attribute, statement parameter,

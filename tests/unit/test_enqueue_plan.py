@@ -29,8 +29,14 @@ def test_chunks_cut_at_the_job_count_and_at_the_args_size(
 
 
 def test_an_item_that_is_not_a_spec_is_named_by_its_index() -> None:
-    with pytest.raises(ValidationError, match=r"jobs\[2\]: must be a JobSpec"):
+    with pytest.raises(ValidationError, match=r"jobs\[2\]: must be a JobSpec \(from "
+                                              r"Task.job\(\)\), got str 'oops': to enqueue a "
+                                              r"task this code does not import, declare it by "
+                                              r"its name on this app"):
         list(planner.chunks([*specs(2), "oops"]))  # type: ignore[list-item]
+    with pytest.raises(ValidationError, match=r"jobs\[0\]: must be a JobSpec \(from "
+                                              r"Task.job\(\)\), got dict$"):
+        list(planner.chunks([{"task": "t"}]))  # type: ignore[list-item]
 
 
 def test_one_job_is_one_plain_row_and_many_share_what_they_have_in_common() -> None:

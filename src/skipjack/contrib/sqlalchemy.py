@@ -31,9 +31,15 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import psycopg
-from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
-from sqlalchemy.orm import Session
+
+try:
+    from sqlalchemy.engine import Connection, Engine
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+    from sqlalchemy.orm import Session
+except ModuleNotFoundError as missing:  # pragma: no cover - depends on the installation
+    missing.msg += (": skipjack.contrib.sqlalchemy needs SQLAlchemy "
+                    "(pip install 'skipjack[sqlalchemy]')")
+    raise
 
 from ..app import AsyncTransactionSource, TransactionSource
 from ..connections import async_connection, sync_connection
