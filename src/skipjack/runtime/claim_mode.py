@@ -564,7 +564,9 @@ class ClaimModeRunners:
         comes back at once, ahead of its queue's other jobs, nor runs again and again
         without using attempts. None when it cannot be counted now (the database cannot be
         reached, or still holds the claim's row lock after ``LOST_CLAIM_LOCK_TIMEOUT``):
-        the job is then free again with no attempt counted, as after a crash."""
+        the job is then free again with no attempt counted, as after a crash; and when
+        there was nothing to count (the job was claimed again meanwhile: the server ended
+        the claim of a stalled worker, and another worker took the job)."""
         lost = decide(job, task, error=exc)  # a release: a lost connection is no failure
         assert lost is not None
         outcome = dataclasses.replace(lost, kind="retry", delay=task.backoff.delay(job.attempt))
@@ -579,6 +581,8 @@ class ClaimModeRunners:
         except psycopg.Error as failed:
             log.warning("job %s: its claim's session was lost (%s); its attempt could not be "
                         "counted: %s", job.id, str(exc).strip(), str(failed).strip())
+            return None
+        if not rows:
             return None
         log.error("job %s: its claim's session was lost while its handler ran: %s", job.id,
                   str(exc).strip())
