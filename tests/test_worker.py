@@ -109,9 +109,12 @@ def test_failing_job_retries_then_dead_letter_and_worker_goes_on(tasks: App,
     assert job is not None and job["attempt"] == 3 and len(job["errors"]) == 3
     assert "RuntimeError: bad news" in job["errors"][-1]["error"]
     assert "Traceback" in job["errors"][-1]["traceback"]
-    # the handler's own frames, also for a TimeoutError (which asyncio used to replace)
+    # the handler's own frames, also for a TimeoutError (which asyncio used to replace),
+    # from the handler's first: not the worker's that called it
     for failed in (job, tasks.get_job(slow) or {}):
         assert 'jobs_app.py", line' in failed["errors"][-1]["traceback"]
+    first_frame = job["errors"][-1]["traceback"].splitlines()[1]
+    assert 'jobs_app.py", line' in first_frame, job["errors"][-1]["traceback"]
     assert "TimeoutError: slow" in (tasks.get_job(slow) or {})["errors"][-1]["error"]
     lost = tasks.get_job(unknown)
     assert lost is not None and "unknown task 'no.such.task'" in lost["errors"][-1]["error"]

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, Literal
 
 from .app import Task
@@ -84,11 +86,26 @@ def _entry(o: Outcome) -> dict[str, Any]:
             "result": o.result, "error": o.error, "progress": o.progress}
 
 
+# skipjack's own source files: a stored traceback starts at the first frame outside them
+_OWN_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _from_the_handler(exc: BaseException) -> TracebackType | None:
+    """``exc``'s traceback from its first frame that is not skipjack's own (the worker's
+    frames that called the handler say nothing about the failure); the whole of it when
+    every frame is skipjack's."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_OWN_FILES):
+        tb = tb.tb_next
+    return tb if tb is not None else exc.__traceback__
+
+
 def error_json(job: Job, exc: BaseException) -> str:
     """The error entry stored for a failed attempt: NUL-free, the message capped at 4,000
-    characters and the traceback at its last 16,000; never fails, whatever ``exc`` does."""
+    characters and the traceback (from the handler's frames on: see ``_from_the_handler``)
+    at its last 16,000; never fails, whatever ``exc`` does."""
     try:
-        tb = "".join(traceback.format_exception(exc))
+        tb = "".join(traceback.format_exception(type(exc), exc, _from_the_handler(exc)))
     except Exception:
         tb = "<traceback could not be formatted>"
     message = f"{type(exc).__name__}: {safe_str(exc)}"
