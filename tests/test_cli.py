@@ -54,6 +54,12 @@ def test_version_and_the_database_named_by_every_command(tasks: App) -> None:
         assert "password" not in first
     quiet = cli(tasks, "-q", "stats")
     assert "database:" not in quiet.stderr
+    # piped, the tables are 200 columns wide, not 80: a long task name shows whole
+    long_name = "myapp.notifications.tasks.send_weekly_digest"
+    tasks.task(name=long_name)(lambda **kw: None)
+    (dead,) = dead_letter(tasks, long_name, "digests", "ValueError: no", 1)
+    shown = cli(tasks, "stats")
+    assert long_name in shown.stdout and f"{dead}" in shown.stdout, shown.stdout
     as_json = cli(tasks, "--log-format", "json", "stats")
     assert '"message": "database: ' in as_json.stderr.splitlines()[0]
     unreachable = cli(None, "--dsn", "postgresql://nobody@127.0.0.1:1/none", "stats")

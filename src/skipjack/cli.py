@@ -615,7 +615,13 @@ def workers(ctx: click.Context, as_json: bool) -> None:
                       str(row["concurrency"]), str(row["running"]),
                       row["started_at"].isoformat(timespec="seconds"),
                       row["last_seen"].isoformat(timespec="seconds"))
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    _console().print(table)
+
+
+def _console() -> Console:
+    """Where tables go: the terminal's width, or 200 columns when the output is piped (rich's
+    80 cut task names and times short)."""
+    return Console(width=None if sys.stdout.isatty() else 200)
 
 
 @main.command()
@@ -628,7 +634,7 @@ def stats(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, default=str))
         return
-    console = Console()
+    console = _console()
     table = Table(title="jobs")
     states = ["scheduled", "available", "running"]
     for col in ["queue", *states, "oldest runnable (s)"]:
