@@ -270,9 +270,11 @@ def test_worker_app_path_that_cannot_be_imported(tmp_path: Path, monkeypatch: An
     # (not the import machinery's) and one error line, status 2
     (tmp_path / "broken_tasks.py").write_text("import os\nimport nosuch_dependency\n")
     (tmp_path / "unclosed_tasks.py").write_text("app = dict(\n")
+    (tmp_path / "exiting_tasks.py").write_text("raise SystemExit(0)\n")
     for name, error in (("broken_tasks", "ModuleNotFoundError: No module named "
                                          "'nosuch_dependency'"),
-                        ("unclosed_tasks", "SyntaxError: '(' was never closed")):
+                        ("unclosed_tasks", "SyntaxError: '(' was never closed"),
+                        ("exiting_tasks", "SystemExit: 0")):
         result = CliRunner().invoke(main, ["worker", f"{name}:app"])
         assert result.exit_code == 2, result.output
         assert f'{name}.py", line ' in result.output and "importlib" not in result.output

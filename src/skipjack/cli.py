@@ -119,7 +119,7 @@ def load_app(path: str, dsn: str | None, schema: str | None) -> App:
     sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit or KeyboardInterrupt from a module too
         if isinstance(exc, ModuleNotFoundError) and exc.name is not None \
                 and (module_name + ".").startswith(exc.name + "."):
             raise click.BadParameter(
@@ -138,7 +138,7 @@ def load_app(path: str, dsn: str | None, schema: str | None) -> App:
     return app
 
 
-def _import_failed(path: str, module_name: str, exc: Exception) -> NoReturn:
+def _import_failed(path: str, module_name: str, exc: BaseException) -> NoReturn:
     """Say that importing ``module_name`` (of MODULE:APP ``path``) raised ``exc``: the
     traceback's frames outside the import machinery and this module (the application's
     own), the exception, and an ``error: ...`` line; then exit with status 2."""

@@ -91,18 +91,20 @@ _OWN_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _from_the_handler(exc: BaseException) -> TracebackType | None:
-    """``exc``'s traceback from its first frame that is not skipjack's own (the worker's
-    frames that called the handler say nothing about the failure); the whole of it when
-    every frame is skipjack's."""
-    tb = exc.__traceback__
+    """``exc``'s traceback from the last of skipjack's own frames before the first that is
+    not (the worker's frames that led to the handler say nothing about the failure; the
+    one kept says what skipjack was doing: calling the handler, or committing its
+    transaction); the whole of it when every frame is skipjack's."""
+    tb, last_own = exc.__traceback__, None
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_OWN_FILES):
-        tb = tb.tb_next
-    return tb if tb is not None else exc.__traceback__
+        last_own, tb = tb, tb.tb_next
+    return last_own if tb is not None and last_own is not None else exc.__traceback__
 
 
 def error_json(job: Job, exc: BaseException) -> str:
     """The error entry stored for a failed attempt: NUL-free, the message capped at 4,000
-    characters and the traceback (from the handler's frames on: see ``_from_the_handler``)
+    characters and the traceback (from the frame that called the handler: see
+    ``_from_the_handler``)
     at its last 16,000; never fails, whatever ``exc`` does."""
     try:
         tb = "".join(traceback.format_exception(type(exc), exc, _from_the_handler(exc)))

@@ -95,3 +95,32 @@ def test_a_cancellation_decides_before_the_result_or_error(cause: str, kind: str
 def test_a_lost_lease_records_nothing() -> None:
     assert decide(job(), task(), result=1, cancelled=("lease lost", "rescued")) is None
     assert decide(job(), task(), error=ValueError(), cancelled=("lease lost", "x")) is None
+
+
+def test_a_stored_traceback_starts_at_the_frame_that_called_the_handler() -> None:
+    # frames compiled as if in skipjack's package: the worker's own, which led to the handler
+    import os
+
+    import skipjack
+    from skipjack.outcome import error_json
+
+    own = os.path.join(os.path.dirname(skipjack.__file__), "runtime", "executor.py")
+    worker: dict[str, object] = {}
+    exec(compile("def run(f):\n    f()\n\ndef call(f):\n    run(f)\n\n"
+                 "def execute(f):\n    try:\n        call(f)\n"
+                 "    except Exception as exc:\n        return exc\n\n"
+                 "def fail():\n    raise KeyError('own')\n", own, "exec"), worker)
+
+    def handler() -> None:
+        raise ValueError("the handler's")
+
+    def frames(fn: object) -> list[str]:
+        exc = worker["execute"](fn)  # type: ignore[operator]
+        tb = json.loads(error_json(job(), exc))["traceback"]
+        return [line.split(", in ")[-1] for line in tb.splitlines()
+                if line.startswith('  File "')]
+
+    # the worker's frame that called the handler, then the handler's
+    assert frames(handler) == ["run", "handler"]
+    # every frame skipjack's: all of them
+    assert frames(worker["fail"]) == ["execute", "call", "run", "fail"]
