@@ -103,6 +103,13 @@ def _with_progress(outcome: Outcome | None) -> Outcome:
 Recorded = tuple[Outcome | None, str | None, datetime | None]
 
 
+def _undone(job: Job, outcome: Outcome) -> dict[str, Any]:
+    """COUNT_UNDONE_ATTEMPT's bind values: count the failed attempt of ``job`` whose claim
+    was undone, with the error and retry delay of ``outcome``."""
+    return {"id": job.id, "attempt": job.attempt, "delay": outcome.delay,
+            "error": outcome.error}
+
+
 def _state(rows: list[Any]) -> tuple[str | None, datetime | None]:
     """(state, run_at) of the first row an outcome statement returned, or (None, None)."""
     return (rows[0][1], rows[0][2]) if rows else (None, None)
@@ -402,9 +409,8 @@ class ClaimModeRunners:
                                                               claim)).fetchone() or [0])[0]
                 finally:
                     await taking
-                counted = await (await waiter.execute(q.COUNT_UNDONE_ATTEMPT, {
-                    "id": job.id, "attempt": job.attempt, "delay": outcome.delay,
-                    "error": outcome.error})).fetchall()
+                counted = await (await waiter.execute(q.COUNT_UNDONE_ATTEMPT,
+                                                      _undone(job, outcome))).fetchall()
         finally:
             await waiter.close()
         return ended, counted
@@ -547,9 +553,8 @@ class ClaimModeRunners:
         assert pool is not None
         try:
             with pool.connection() as conn:
-                rows = conn.execute(self._db.queries.COUNT_UNDONE_ATTEMPT, {
-                    "id": job.id, "attempt": job.attempt, "delay": outcome.delay,
-                    "error": outcome.error}).fetchall()
+                rows = conn.execute(self._db.queries.COUNT_UNDONE_ATTEMPT,
+                                    _undone(job, outcome)).fetchall()
         except psycopg.Error as refused:
             if connection_lost(refused):
                 raise
@@ -575,9 +580,8 @@ class ClaimModeRunners:
         try:
             with pool.connection() as conn, conn.transaction():
                 conn.execute(LOST_CLAIM_LOCK_TIMEOUT)
-                rows = conn.execute(self._db.queries.COUNT_UNDONE_ATTEMPT, {
-                    "id": job.id, "attempt": job.attempt, "delay": outcome.delay,
-                    "error": outcome.error}).fetchall()
+                rows = conn.execute(self._db.queries.COUNT_UNDONE_ATTEMPT,
+                                    _undone(job, outcome)).fetchall()
         except psycopg.Error as failed:
             log.warning("job %s: its claim's session was lost (%s); its attempt could not be "
                         "counted: %s", job.id, str(exc).strip(), str(failed).strip())
@@ -643,9 +647,7 @@ class ClaimModeRunners:
         log.error("job %s: %s", job.id, ENDED)
         rows = conn.execute(q.RECORD_OUTCOMES, outcome_params([outcome])).fetchall()
         if not rows:
-            rows = conn.execute(q.COUNT_UNDONE_ATTEMPT, {
-                "id": job.id, "attempt": job.attempt, "delay": outcome.delay,
-                "error": outcome.error}).fetchall()
+            rows = conn.execute(q.COUNT_UNDONE_ATTEMPT, _undone(job, outcome)).fetchall()
         if not rows:  # claimed again since the ROLLBACK: the error is still shown on the job
             log.warning("job %s was claimed again before its failed attempt could be counted",
                         job.id)
